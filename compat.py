@@ -1,0 +1,131 @@
+"""Small helpers that hide differences between the transformers / huggingface_hub versions we support.
+
+Every version switch of the package lives here, one small function or constant each (SPEC: "transformers
+versions we support"). Supported: transformers 5.17 (huggingface_hub 1.x) up to the latest 5.x.
+"""
+
+from dataclasses import fields as _dataclass_fields
+from functools import wraps
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers.modeling_outputs import MoeModelOutputWithPast as _MoeModelOutputWithPast
+
+
+class ConfigValidationError(StrictDataclassError, ValueError):
+    """A bad config value.
+
+    huggingface_hub's `@strict` wraps every failed check in a `StrictDataclassFieldValidationError` or
+    `StrictDataclassClassValidationError`, and neither is a `ValueError` (1.x and 2.x alike). This class is both,
+    so `except ValueError` and `except StrictDataclassError` each catch it; the message is the original one, which
+    names the field.
+    """
+
+
+def finish_strict_config(cls):
+    """Class decorator, applied *above* `@strict`, for our `PreTrainedConfig` subclasses.
+
+    - Runs `cls._from_kimi_linear_keys(kwargs)` on the raw keyword arguments before the dataclass `__init__`, so
+      published key spellings are turned into our field names while it is still known which keys the caller gave
+      (the dataclass `__init__` fills every absent field with its default before `__post_init__` runs).
+    - Re-raises `StrictDataclassError`s from `__init__`, `__setattr__` and `validate()` as `ConfigValidationError`.
+    """
+    init, setattr_, validate = cls.__init__, cls.__setattr__, cls.validate
+
+    @wraps(init)
+    def __init__(self, *args, **kwargs):
+        normalize = getattr(type(self), "_from_kimi_linear_keys", None)
+        if normalize is not None:
+            kwargs = normalize(kwargs)
+        try:
+            init(self, *args, **kwargs)
+        except ConfigValidationError:
+            raise
+        except StrictDataclassError as error:
+            raise ConfigValidationError(str(error)) from error
+
+    @wraps(setattr_)
+    def __setattr__(self, name, value):
+        try:
+            setattr_(self, name, value)
+        except ConfigValidationError:
+            raise
+        except StrictDataclassError as error:
+            raise ConfigValidationError(str(error)) from error
+
+    @wraps(validate)
+    def validate_(self):
+        try:
+            validate(self)
+        except ConfigValidationError:
+            raise
+        except StrictDataclassError as error:
+            raise ConfigValidationError(str(error)) from error
+
+    # `@strict` on a subclass refuses a `validate` it did not write unless it carries this mark.
+    validate_.__is_defined_by_strict_decorator__ = True
+    cls.__init__, cls.__setattr__, cls.validate = __init__, __setattr__, validate_
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modeling: cache argument / output names, linear-attention cache states, logits slicing
+# ---------------------------------------------------------------------------------------------------------------
+
+# transformers renamed the cache argument and output field `past_key_values` -> `cache` (5.24 has `cache`, 5.17
+# `past_key_values`); generate() passes the name of its own version.
+CACHE_NAME = "cache" if "cache" in {f.name for f in _dataclass_fields(_MoeModelOutputWithPast)} else "past_key_values"
+_LEGACY_CACHE_NAMES = ("past_key_values", "cache_params")
+
+
+def accepts_legacy_cache_name(forward):
+    """Let a `forward(..., cache=...)` also take the cache as `past_key_values=` (what generate() of transformers
+    <= 5.2x passes), silently: both spellings are legitimate depending on the installed version."""
+
+    @wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        for name in _LEGACY_CACHE_NAMES:
+            if name in kwargs:
+                legacy = kwargs.pop(name)
+                if kwargs.get("cache") is None:
+                    kwargs["cache"] = legacy
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+def model_output(output_class, *, cache=None, **values):
+    """Build a transformers `ModelOutput`, storing the cache under this version's field name."""
+    return output_class(**{CACHE_NAME: cache}, **values)
+
+
+def output_cache(output):
+    """The cache held by a transformers `ModelOutput` (or None)."""
+    return getattr(output, CACHE_NAME, None)
+
+
+def linear_attention_states(cache, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(conv_state, recurrent_state) of a linear-attention cache layer, or (None, None) before its first update.
+
+    `Cache.get_conv_state` / `get_recurrent_state` exist from 5.21; before that the layer's dicts are read directly
+    once `has_previous_state` is set.
+    """
+    if cache is None:
+        return None, None
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(layer_idx), cache.get_recurrent_state(layer_idx)
+    if layer_idx >= len(cache.layers) or not cache.has_previous_state(layer_idx):
+        return None, None
+    layer = cache.layers[layer_idx]
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
+try:  # transformers >= 5.21
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The positions whose logits are needed: the last `logits_to_keep` (0 = all), or the given indices."""
+        if isinstance(logits_to_keep, int):
+            return hidden_states if logits_to_keep == 0 else hidden_states[:, -logits_to_keep:, :]
+        return hidden_states[:, logits_to_keep, :]

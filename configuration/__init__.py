@@ -1,0 +1,3 @@
+from .configuration_kda_moe import KdaMoeTextConfig
+
+__all__ = ["KdaMoeTextConfig"]

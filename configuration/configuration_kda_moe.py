@@ -1,0 +1,439 @@
+"""Configuration of the kda-moe text decoder (Kimi Delta Attention + gated MLA + Block AttnRes + LatentMoE).
+
+Every default and every validation of the text model lives here; modeling code trusts its config (STYLE.md).
+The defaults are a small model that runs on a laptop CPU with every feature switched on;
+`KdaMoeTextConfig.kimi_k3()` builds the Kimi K3 shape. Configs in the layout of transformers' native
+`kimi_linear` model and of the published Kimi Linear / Kimi K3 `config.json` load as they are
+(see `KdaMoeTextConfig._from_kimi_linear_keys`).
+"""
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+from ..compat import ConfigValidationError, finish_strict_config
+
+ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
+HIDDEN_ACTS = ("silu", "situ")
+ROUTER_BALANCING = ("quantile", "bias_sign", "none")
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+# |lower bound| beyond ~5.9 overflows the factored intra-tile decay of the chunked KDA kernel (SPEC, KDA).
+GATE_LOWER_BOUND_MIN = -5.9
+
+# Kimi Linear semantics for the K3 features a Kimi Linear config does not mention.
+KIMI_LINEAR_DEFAULTS = {
+    "gate_lower_bound": None,
+    "use_full_rank_gate": False,
+    "mla_use_output_gate": False,
+    "mla_use_nope": True,
+    "hidden_act": "silu",
+    "routed_expert_hidden_size": None,
+    "latent_moe_use_norm": False,
+    "attn_res_block_size": None,
+    # Kimi Linear routes with the `e_score_correction_bias` of its checkpoint and does not train it here.
+    "router_balancing": "none",
+}
+# `linear_attn_config` sub-keys of the published configs -> our fields.
+LINEAR_ATTN_CONFIG_KEYS = {
+    "num_heads": "linear_num_heads",
+    "head_dim": "linear_head_dim",
+    "short_conv_kernel_size": "linear_conv_kernel_dim",
+    "gate_lower_bound": "gate_lower_bound",
+    "use_full_rank_gate": "use_full_rank_gate",
+}
+# Keys of Kimi Linear / DeepSeek configs that are derived here or have no meaning for this model.
+DROPPED_KEYS = ("head_dim", "qk_head_dim", "num_key_value_heads", "pretraining_tp", "topk_method")
+
+
+def default_layer_types(num_hidden_layers: int) -> list[str]:
+    """MLA on every 4th layer (1-based 4, 8, ...) and on the last layer, KDA elsewhere.
+
+    The rule of the published Kimi Linear (27 layers: MLA at 4, 8, ..., 24, 27) and Kimi K3 (93 layers: MLA at
+    4, 8, ..., 92, 93, so 23 + 1 = 24 MLA layers, the last two among them) configs.
+    """
+    return [
+        "full_attention" if (i + 1) % 4 == 0 or i == num_hidden_layers - 1 else "linear_attention"
+        for i in range(num_hidden_layers)
+    ]
+
+
+def default_mlp_layer_types(num_hidden_layers: int, first_k_dense_replace: int = 1, moe_layer_freq: int = 1):
+    """The first `first_k_dense_replace` layers dense, then LatentMoE (every `moe_layer_freq`-th layer, DeepSeek rule)."""
+    return [
+        "sparse" if i >= first_k_dense_replace and i % moe_layer_freq == 0 else "dense"
+        for i in range(num_hidden_layers)
+    ]
+
+
+def _invalid(field: str, value: Any, allowed: str) -> ConfigValidationError:
+    return ConfigValidationError(f"`{field}`={value!r} is invalid: {allowed}.")
+
+
+@finish_strict_config
+@strict
+class KdaMoeTextConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`KdaMoeTextModel`] / [`KdaMoeForCausalLM`]: a decoder whose layers mix tokens with Kimi Delta
+    Attention (KDA) or gated Multi-head Latent Attention (MLA) and channels with a dense SiTU-GLU MLP or a LatentMoE.
+
+    Layout:
+        vocab_size, hidden_size, num_hidden_layers: the usual sizes.
+        layer_types (`list[str]`, *optional*): per layer `"linear_attention"` (KDA) or `"full_attention"` (MLA).
+            Defaults to MLA on every 4th layer and on the last one. Published configs may give
+            `linear_attn_config={"kda_layers": [...], "full_attn_layers": [...]}` (1-based) instead.
+        mlp_layer_types (`list[str]`, *optional*): per layer `"dense"` or `"sparse"` (LatentMoE). Defaults to the
+            first layer dense (or the first `first_k_dense_replace` layers, when that key is given), the rest sparse.
+    KDA:
+        linear_num_heads, linear_head_dim: heads H and head dim K (= V) of the KDA layers.
+        linear_conv_kernel_dim: kernel of the causal depthwise short convolution on q, k, v.
+        gate_lower_bound (`float` or `None`): `None` = Kimi Linear decay `-exp(A_log) * softplus(z)`; a float in
+            [-5.9, 0) = bounded decay `lower_bound * sigmoid(exp(A_log) * z)` (K3 uses -5.0).
+        use_full_rank_gate: output gate `g_proj: d -> H*K` (K3) instead of the rank-K `g_b(g_a(x))` (Kimi Linear).
+    MLA:
+        num_attention_heads, q_lora_rank (`None` = no query compression), kv_lora_rank, qk_nope_head_dim,
+        qk_rope_head_dim, v_head_dim: DeepSeek-V3 shapes. `qk_head_dim = qk_nope_head_dim + qk_rope_head_dim`.
+        mla_use_nope: the rope slice of q/k is not rotated (no positional encoding).
+        mla_use_output_gate: `attn * sigmoid(g_proj(x))` before `o_proj`.
+        rope_parameters (`RopeParameters`): used only when `mla_use_nope=False`; default
+            `{"rope_type": "default", "rope_theta": 10000.0}`.
+    MoE:
+        num_experts, num_experts_per_tok, num_shared_experts, moe_intermediate_size (expert width),
+        intermediate_size (dense layers), routed_expert_hidden_size (`None` = experts at full hidden width, else
+        the latent width `l` of the down/up projections around the routed experts), latent_moe_use_norm,
+        routed_scaling_factor, moe_renormalize, n_group / topk_group (group-limited top-k),
+        router_balancing (`"quantile"`, `"bias_sign"` or `"none"`), router_bias_update_rate (the gamma of
+        `"bias_sign"`), router_balancing_bins (histogram bins of the data-parallel quantile estimate),
+        router_balancing_iterations (damped Quantile Balancing passes per training step on the step's batch).
+    Activation:
+        hidden_act (`"situ"` = SiTU-GLU, `"silu"` = SwiGLU), activation_situ_beta (b1 > 0),
+        activation_situ_linear_beta (b2 > 0 caps the up branch with `b2 * tanh(up / b2)`; `None` = no cap).
+    Other:
+        attn_res_block_size (`int` or `None`): Block Attention Residuals block size; `None` = plain residuals.
+        kernel_backend: `"auto"` (Triton on CUDA tensors, torch elsewhere), `"triton"` or `"torch"`.
+
+    Example:
+
+    ```python
+    >>> from kda_moe.configuration import KdaMoeTextConfig
+    >>> config = KdaMoeTextConfig()  # tiny, every feature on
+    >>> k3 = KdaMoeTextConfig.kimi_k3()
+    ```
+    """
+
+    model_type = "kda_moe_text"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        # spellings of the published Kimi Linear / Kimi K3 configs and of transformers' `kimi_linear`
+        "num_experts_per_token": "num_experts_per_tok",
+        "num_expert_group": "n_group",
+        "model_max_length": "max_position_embeddings",
+        "norm_topk_prob": "moe_renormalize",
+        "n_shared_experts": "num_shared_experts",
+        # DeepSeek / Mixtral spellings
+        "num_local_experts": "num_experts",
+        "n_routed_experts": "num_experts",
+    }
+
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    layer_types: list[str] | None = None
+    mlp_layer_types: list[str] | None = None
+    rms_norm_eps: float | int = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float | int = 0.02
+    max_position_embeddings: int = 8192
+    use_cache: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    attention_dropout: float | int = 0.0
+    output_router_logits: bool = False
+
+    # KDA
+    linear_num_heads: int = 4
+    linear_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    gate_lower_bound: float | int | None = -5.0
+    use_full_rank_gate: bool = True
+
+    # gated MLA
+    num_attention_heads: int = 4
+    q_lora_rank: int | None = 64
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    rope_parameters: RopeParameters | dict | None = None
+
+    # LatentMoE
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    num_shared_experts: int = 1
+    moe_intermediate_size: int = 64
+    intermediate_size: int = 512
+    routed_expert_hidden_size: int | None = 128
+    latent_moe_use_norm: bool = True
+    routed_scaling_factor: float | int = 1.0
+    moe_renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    router_balancing: str = "quantile"
+    router_bias_update_rate: float | int = 1e-3
+    router_balancing_bins: int = 1024
+    router_balancing_iterations: int = 8
+
+    # activation
+    hidden_act: str = "situ"
+    activation_situ_beta: float | int = 4.0
+    activation_situ_linear_beta: float | int | None = 25.0
+
+    attn_res_block_size: int | None = 2
+    kernel_backend: str = "auto"
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_hidden_layers)
+        if self.mlp_layer_types is None:
+            self.mlp_layer_types = default_mlp_layer_types(self.num_hidden_layers)
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        # what transformers' RoPE helpers read as the rotary dimension (as in deepseek_v3 / kimi_linear)
+        self.head_dim = self.qk_rope_head_dim
+        # RoPE: standard v5 handling (legacy `rope_theta` / `rope_scaling` kwargs are folded in by the parent)
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def _from_kimi_linear_keys(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Turn keyword arguments in a published layout into ours; called on the raw kwargs of every `__init__`.
+
+        Handles the `attribute_map` spellings (`num_experts_per_token`, `num_expert_group`, `model_max_length`, ...),
+        the remote-code `linear_attn_config` (1-based `kda_layers` / `full_attn_layers`, `num_heads`, `head_dim`,
+        `short_conv_kernel_size`, and K3's `gate_lower_bound` / `use_full_rank_gate`), `first_k_dense_replace` /
+        `moe_layer_freq`, `moe_router_activation_func` and `use_grouped_topk`. For a Kimi Linear config
+        (`model_type="kimi_linear"` or a `linear_attn_config`), the K3 features it does not set take their Kimi
+        Linear values (`KIMI_LINEAR_DEFAULTS`); keys it does set (the K3 release uses the same layout) win.
+        """
+        kwargs = dict(kwargs)
+        model_type = kwargs.pop("model_type", cls.model_type)
+        linear_attn_config = kwargs.pop("linear_attn_config", None)
+        is_kimi_linear = model_type == "kimi_linear" or linear_attn_config is not None
+        if is_kimi_linear:
+            kwargs.pop("auto_map", None)  # points at Kimi's remote code, not at ours
+
+        for alias, field in cls.attribute_map.items():
+            if alias in kwargs:
+                value = kwargs.pop(alias)
+                if field in kwargs and kwargs[field] != value:
+                    raise ConfigValidationError(
+                        f"`{field}`={kwargs[field]!r} and its alias `{alias}`={value!r} disagree; give only one."
+                    )
+                kwargs[field] = value
+        for key in DROPPED_KEYS:
+            kwargs.pop(key, None)
+
+        activation = kwargs.pop("moe_router_activation_func", "sigmoid")
+        if activation != "sigmoid":
+            raise _invalid("moe_router_activation_func", activation, "the router scores with 'sigmoid' only")
+        if kwargs.pop("use_grouped_topk", True) is False:
+            kwargs.setdefault("n_group", 1)
+            kwargs.setdefault("topk_group", 1)
+        if kwargs.get("num_nextn_predict_layers", None) == 0:
+            kwargs.pop("num_nextn_predict_layers")
+
+        num_hidden_layers = kwargs.get("num_hidden_layers", cls.__dataclass_fields__["num_hidden_layers"].default)
+        first_k_dense_replace = kwargs.pop("first_k_dense_replace", None)
+        moe_layer_freq = kwargs.pop("moe_layer_freq", 1)
+        if kwargs.get("mlp_layer_types") is None and (first_k_dense_replace is not None or moe_layer_freq != 1):
+            first_k = 1 if first_k_dense_replace is None else first_k_dense_replace
+            if not isinstance(first_k, int) or not 0 <= first_k <= num_hidden_layers:
+                raise _invalid("first_k_dense_replace", first_k, f"must be an int in [0, {num_hidden_layers}]")
+            if not isinstance(moe_layer_freq, int) or moe_layer_freq < 1:
+                raise _invalid("moe_layer_freq", moe_layer_freq, "must be an int >= 1")
+            kwargs["mlp_layer_types"] = default_mlp_layer_types(num_hidden_layers, first_k, moe_layer_freq)
+
+        if linear_attn_config is not None:
+            for key, field in LINEAR_ATTN_CONFIG_KEYS.items():
+                if key in linear_attn_config:
+                    kwargs.setdefault(field, linear_attn_config[key])
+            kda, full = linear_attn_config.get("kda_layers"), linear_attn_config.get("full_attn_layers")
+            if kwargs.get("layer_types") is None and (kda is not None or full is not None):
+                kwargs["layer_types"] = cls._layer_types_from_one_based(num_hidden_layers, kda or [], full or [])
+
+        if is_kimi_linear:
+            for field, value in KIMI_LINEAR_DEFAULTS.items():
+                kwargs.setdefault(field, value)
+        return kwargs
+
+    @staticmethod
+    def _layer_types_from_one_based(num_hidden_layers: int, kda_layers, full_attn_layers) -> list[str]:
+        layer_types = [None] * num_hidden_layers
+        for numbers, layer_type in ((kda_layers, "linear_attention"), (full_attn_layers, "full_attention")):
+            for number in numbers:
+                if not isinstance(number, int) or not 1 <= number <= num_hidden_layers:
+                    raise _invalid(
+                        "linear_attn_config", {"kda_layers": kda_layers, "full_attn_layers": full_attn_layers},
+                        f"layer numbers are 1-based and must lie in [1, {num_hidden_layers}], got {number!r}",
+                    )
+                if layer_types[number - 1] is not None:
+                    raise _invalid("linear_attn_config", number, "a layer is listed twice in kda_layers/full_attn_layers")
+                layer_types[number - 1] = layer_type
+        missing = [i + 1 for i, layer_type in enumerate(layer_types) if layer_type is None]
+        if missing:
+            raise _invalid(
+                "linear_attn_config", missing, "these 1-based layers are in neither kda_layers nor full_attn_layers"
+            )
+        return layer_types
+
+    @classmethod
+    def kimi_k3(cls, **overrides) -> "KdaMoeTextConfig":
+        """The Kimi K3 text decoder: 93 layers (69 KDA + 24 gated MLA), 896 experts, ~2.78T total / ~104B active.
+
+        Layer rule (`default_layer_types`): MLA at 1-based layers 4, 8, ..., 92 and 93 (the last two are MLA),
+        KDA elsewhere; layer 1 dense, the other 92 LatentMoE. MLA heads (96) and the dense width (33792) follow
+        third-party K3 configs; with them the parameter count is 2.78T total and 105.4B activated per token
+        (`tests/test_configuration.py::k3_parameter_counts`).
+        """
+        k3 = {
+            "vocab_size": 163840,
+            "hidden_size": 7168,
+            "num_hidden_layers": 93,
+            "max_position_embeddings": 1048576,
+            "pad_token_id": 163839,
+            "bos_token_id": 163584,
+            "eos_token_id": 163586,
+            "linear_num_heads": 96,
+            "linear_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+            "num_attention_heads": 96,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "mla_use_nope": True,
+            "mla_use_output_gate": True,
+            "num_experts": 896,
+            "num_experts_per_tok": 16,
+            "num_shared_experts": 2,
+            "moe_intermediate_size": 3072,
+            "intermediate_size": 33792,
+            "routed_expert_hidden_size": 3584,
+            "latent_moe_use_norm": True,
+            "routed_scaling_factor": 1.0,
+            "moe_renormalize": True,
+            "n_group": 1,
+            "topk_group": 1,
+            "router_balancing": "quantile",
+            "hidden_act": "situ",
+            "activation_situ_beta": 4.0,
+            "activation_situ_linear_beta": 25.0,
+            "attn_res_block_size": 12,
+        }
+        k3.update(overrides)
+        return cls(**k3)
+
+    # ----- validation (run by `@strict` after `__post_init__`; messages name the field, the value and the fix)
+
+    def validate_layer_type(self):
+        for field, allowed in (("layer_types", ATTENTION_LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+            layer_types = getattr(self, field)
+            if len(layer_types) != self.num_hidden_layers:
+                raise _invalid(
+                    field, layer_types, f"needs one entry per layer, num_hidden_layers={self.num_hidden_layers}"
+                )
+            unknown = sorted({t for t in layer_types if t not in allowed})
+            if unknown:
+                raise _invalid(field, unknown, f"entries must be in {allowed}")
+
+    def validate_sizes(self):
+        positive = (
+            "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
+            "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "num_experts", "moe_intermediate_size", "intermediate_size", "n_group", "topk_group",
+        )  # fmt: skip
+        for field in positive:
+            if getattr(self, field) < 1:
+                raise _invalid(field, getattr(self, field), "must be >= 1")
+        for field in ("q_lora_rank", "attn_res_block_size"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise _invalid(field, value, "must be None or >= 1")
+        if self.num_shared_experts < 0:
+            raise _invalid("num_shared_experts", self.num_shared_experts, "must be >= 0")
+        latent = self.routed_expert_hidden_size
+        if latent is not None and not 1 <= latent <= self.hidden_size:
+            raise _invalid(
+                "routed_expert_hidden_size", latent, f"must be None or in [1, hidden_size={self.hidden_size}]"
+            )
+
+    def validate_rope(self):
+        # before transformers' own check, whose message speaks of `head_dim` (= qk_rope_head_dim here)
+        if self.qk_rope_head_dim % 2:
+            raise _invalid("qk_rope_head_dim", self.qk_rope_head_dim, "must be even (rotary dims come in pairs)")
+        super().validate_rope()
+
+    def validate_scalars(self):
+        if not self.rms_norm_eps > 0:
+            raise _invalid("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if not self.initializer_range >= 0:
+            raise _invalid("initializer_range", self.initializer_range, "must be >= 0")
+        if not 0 <= self.attention_dropout < 1:
+            raise _invalid("attention_dropout", self.attention_dropout, "must be in [0, 1)")
+        if not self.routed_scaling_factor > 0:
+            raise _invalid("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+
+    def validate_gate_lower_bound(self):
+        bound = self.gate_lower_bound
+        if bound is not None and not GATE_LOWER_BOUND_MIN <= bound < 0:
+            raise _invalid(
+                "gate_lower_bound", bound,
+                f"must be None (Kimi Linear decay) or in [{GATE_LOWER_BOUND_MIN}, 0), e.g. -5.0 (K3)",
+            )  # fmt: skip
+
+    def validate_routing(self):
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise _invalid(
+                "num_experts_per_tok", self.num_experts_per_tok, f"must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.num_experts % self.n_group:
+            raise _invalid("n_group", self.n_group, f"must divide num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise _invalid("topk_group", self.topk_group, f"must be <= n_group={self.n_group}")
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        if self.num_experts_per_tok > reachable:
+            raise _invalid(
+                "num_experts_per_tok", self.num_experts_per_tok,
+                f"exceeds the {reachable} experts of topk_group={self.topk_group} groups; raise topk_group",
+            )  # fmt: skip
+        if self.router_balancing not in ROUTER_BALANCING:
+            raise _invalid("router_balancing", self.router_balancing, f"must be one of {ROUTER_BALANCING}")
+        if not self.router_bias_update_rate >= 0:
+            raise _invalid("router_bias_update_rate", self.router_bias_update_rate, "must be >= 0")
+        if self.router_balancing_bins < 2:
+            raise _invalid("router_balancing_bins", self.router_balancing_bins, "must be >= 2")
+        if self.router_balancing_iterations < 1:
+            raise _invalid("router_balancing_iterations", self.router_balancing_iterations, "must be >= 1")
+
+    def validate_activation(self):
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise _invalid("hidden_act", self.hidden_act, f"must be one of {HIDDEN_ACTS}")
+        if not self.activation_situ_beta > 0:
+            raise _invalid("activation_situ_beta", self.activation_situ_beta, "must be > 0")
+        linear_beta = self.activation_situ_linear_beta
+        if linear_beta is not None and not linear_beta > 0:
+            raise _invalid("activation_situ_linear_beta", linear_beta, "must be None (no cap) or > 0")
+
+    def validate_kernel_backend(self):
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise _invalid("kernel_backend", self.kernel_backend, f"must be one of {KERNEL_BACKENDS}")
+
+
+__all__ = ["KdaMoeTextConfig"]

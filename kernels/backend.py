@@ -1,0 +1,71 @@
+"""The one place that picks between the Triton kernels and the pure-PyTorch reference.
+
+``resolve_backend`` is called by every public op on every call, so ``"auto"`` follows the device of
+the tensors actually passed (never a decision taken once at import). Triton kernels plug in per op
+through ``register_triton_op``; an op without a registered kernel always runs the torch reference
+under ``"auto"`` and raises under an explicit ``"triton"``.
+"""
+
+import os
+from collections.abc import Callable
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+ENV_VAR = "KDA_MOE_BACKEND"
+
+_TRITON_OPS: dict[str, Callable] = {}
+
+
+def register_triton_op(name: str, fn: Callable | None = None):
+    """Register the Triton implementation of op ``name`` (usable as ``@register_triton_op("kda")``).
+
+    ``fn`` takes the same arguments as the public op (minus ``backend``)."""
+    if fn is None:
+        return lambda f: register_triton_op(name, f)
+    _TRITON_OPS[name] = fn
+    return fn
+
+
+def triton_op_available(name: str) -> bool:
+    """Whether a Triton kernel is registered for op ``name``."""
+    return name in _TRITON_OPS
+
+
+def triton_op(name: str) -> Callable:
+    """The registered Triton implementation of op ``name``; raises if none is built yet."""
+    if name not in _TRITON_OPS:
+        raise NotImplementedError(
+            f"The Triton kernels are not built yet (no Triton kernel registered for op {name!r}). "
+            'Use kernel_backend="torch" (or KDA_MOE_BACKEND=torch) to run the PyTorch reference.'
+        )
+    return _TRITON_OPS[name]
+
+
+def resolve_backend(requested: str, *tensors: torch.Tensor | None, op: str) -> str:
+    """Return ``"torch"`` or ``"triton"`` for one call of op ``op`` on ``tensors``.
+
+    The env var ``KDA_MOE_BACKEND`` (when set and non-empty) overrides ``requested``. ``"auto"``
+    gives ``"triton"`` only if every tensor is on CUDA and a Triton kernel for ``op`` is registered.
+    An explicit ``"triton"`` never falls back: it raises ``NotImplementedError`` if the kernel is not
+    built, and ``ValueError`` for non-CUDA tensors unless ``TRITON_INTERPRET=1``."""
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    choice = env or requested
+    if choice not in BACKENDS:
+        source = f"the env var {ENV_VAR}" if env else "kernel_backend"
+        raise ValueError(f"Unknown kernel backend {choice!r} (from {source}); allowed values are {BACKENDS}.")
+    devices = {t.device for t in tensors if t is not None}
+    if choice == "torch":
+        return "torch"
+    if choice == "auto":
+        on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
+        return "triton" if on_cuda and triton_op_available(op) else "torch"
+    triton_op(op)  # raises NotImplementedError when the kernel is not built
+    off_cuda = sorted(str(d) for d in devices if d.type != "cuda")
+    if off_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"kernel_backend='triton' needs CUDA tensors but got tensors on {', '.join(off_cuda)}. "
+            "Move the model to a GPU, use kernel_backend='torch' (or 'auto'), "
+            "or set TRITON_INTERPRET=1 to run the Triton kernels in the interpreter."
+        )
+    return "triton"

@@ -1,0 +1,85 @@
+"""Kimi Delta Attention: the fused public entry point used by the model."""
+
+import torch
+
+from ..backend import resolve_backend, triton_op
+from .reference import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
+
+
+def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}.")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}.")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}.")
+    if g.shape != q.shape and g.shape != (B, T, H * K):
+        raise ValueError(f"g must be [B, T, H, K] = {tuple(q.shape)} (or [B, T, H*K]), got {tuple(g.shape)}.")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}, got {tuple(beta.shape)}.")
+    if A_log.numel() != H or dt_bias.numel() != H * K:
+        raise ValueError(
+            f"A_log must have H = {H} elements and dt_bias H*K = {H * K}, got {A_log.numel()} and {dt_bias.numel()}."
+        )
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(
+                f"cu_seqlens needs packed inputs with batch size 1, got B = {B}; "
+                "flatten the batch into one sequence of shape [1, total_tokens, ...]."
+            )
+        if cu_seqlens.dim() != 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (cu_seqlens.diff() < 0).any():
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing offsets [N+1] from 0 to T = {T}, got {cu_seqlens.tolist()}."
+            )
+        N = len(cu_seqlens) - 1
+    if initial_state is not None and initial_state.shape != (N, H, K, v.shape[-1]):
+        which = "N = number of sequences in cu_seqlens" if cu_seqlens is not None else "B = batch size"
+        raise ValueError(
+            f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = {(N, H, K, v.shape[-1])} "
+            f"({which}), got {tuple(initial_state.shape)}."
+        )
+
+
+def kimi_delta_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    gate_lower_bound: float | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    backend: str = "auto",
+):
+    """KDA from projected inputs: L2-norms q and k, scales q (default ``K^-0.5``), applies sigmoid to
+    beta and ``kda_gate`` to g, then runs the recurrence (T == 1) or the chunked form.
+
+    q, k: ``[B, T, H, K]`` (after the short conv + SiLU, NOT yet L2-normalised); v: ``[B, T, H, V]``;
+    g: ``[B, T, H, K]`` raw gate logits f_b(f_a(x)) (dt_bias NOT added); beta: ``[B, T, H]`` logits
+    (pre-sigmoid); A_log ``[H]`` fp32, dt_bias ``[H*K]`` fp32. cu_seqlens ``[N+1]`` packs N sequences
+    into B == 1. Returns ``(o [B, T, H, V] in v.dtype, final_state [B or N, H, K, V] fp32 or None)``."""
+    _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    if gate_lower_bound is not None and not gate_lower_bound < 0:
+        raise ValueError(f"gate_lower_bound must be negative (e.g. -5.0) or None, got {gate_lower_bound}.")
+    if resolve_backend(backend, q, k, v, g, beta, op="kda") == "triton":
+        return triton_op("kda")(
+            q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=gate_lower_bound, scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = l2norm(q), l2norm(k)
+    g = kda_gate(g, A_log, dt_bias, gate_lower_bound)
+    beta = torch.sigmoid(beta.to(q.dtype))
+    if q.shape[1] == 1 and cu_seqlens is None:
+        return recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
+    return chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+__all__ = ["kimi_delta_attention", "chunk_kda", "recurrent_kda", "kda_step", "kda_gate", "l2norm"]

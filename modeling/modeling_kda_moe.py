@@ -1,0 +1,887 @@
+"""The kda-moe text decoder (the Kimi K3 / Kimi Linear architecture).
+
+Reading order: norms -> gated activations -> rotary -> gated MLA -> Kimi Delta Attention -> dense MLP ->
+router with Quantile Balancing -> fused experts -> LatentMoE -> Block Attention Residuals -> decoder layer ->
+`KdaMoePreTrainedModel` -> `KdaMoeTextModel` -> `KdaMoeForCausalLM`.
+
+Every block is switched by the config, so one code path serves Kimi K3 (bounded KDA gate, full-rank output gate,
+gated MLA, AttnRes, LatentMoE with SiTU-GLU and Quantile Balancing), Kimi Linear (softplus gate, low-rank output
+gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research configs.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from ..compat import (
+    accepts_legacy_cache_name,
+    linear_attention_states,
+    model_output,
+    slice_logits_to_keep,
+)
+from ..configuration import KdaMoeTextConfig
+from ..kernels import gated_rms_norm, kimi_delta_attention, short_conv, short_conv_step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Norms
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeRMSNorm(nn.Module):
+    """`weight * x / rms(x)`, statistics in fp32, weight starting at 1."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class KdaMoeGatedRMSNorm(nn.Module):
+    """KDA output norm: per-head RMSNorm times `sigmoid(gate)` (one fused kernel on GPU)."""
+
+    def __init__(self, head_dim: int, eps: float, backend: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+        self.backend = backend
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon, backend=self.backend)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gated activations: SwiGLU (Kimi Linear) and SiTU-GLU (Kimi K3)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeGatedActivation(nn.Module):
+    """`act(gate) * up`, the GLU inside every MLP and expert.
+
+    - `"silu"`: SwiGLU, `silu(gate) * up`.
+    - `"situ"`: SiTU-GLU, `SiTU(gate) * b2 * tanh(up / b2)` with `SiTU(g) = b1 * tanh(g / b1) * sigmoid(g)`; both
+      tanh caps bound the product, which keeps expert outputs (and their gradients) from spiking. fp32 inside.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__()
+        self.kind = config.hidden_act
+        self.gate_cap = config.activation_situ_beta
+        self.up_cap = config.activation_situ_linear_beta
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        dtype = gate.dtype
+        gate, up = gate.float(), up.float()
+        gate = self.gate_cap * torch.tanh(gate / self.gate_cap) * torch.sigmoid(gate)
+        if self.up_cap is not None:
+            up = self.up_cap * torch.tanh(up / self.up_cap)
+        return (gate * up).to(dtype)
+
+    def extra_repr(self):
+        return f"{self.kind}" + (f", b1={self.gate_cap}, b2={self.up_cap}" if self.kind == "situ" else "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rotary embedding (only for MLA layers with `mla_use_nope=False`; the default is NoPE)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeRotaryEmbedding(nn.Module):
+    """RoPE on the `qk_rope_head_dim` slice of MLA queries and the shared key."""
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: KdaMoeTextConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        dim = config.qk_rope_head_dim
+        base = config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """q: [B, H, T, R], k: [B, 1, T, R], cos/sin: [B, T, R]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gated Multi-head Latent Attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    """query [B, H, T, Dk], key [B, H, S, Dk], value [B, H, S, Dv] -> ([B, T, H, Dv], probs [B, H, T, S])."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class KdaMoeAttention(nn.Module):
+    """Gated MLA. The cache holds only the compressed latent (`kv_lora_rank` + `qk_rope_head_dim` per token).
+
+    Prefill expands the latent into per-head keys and values. Decoding (a cache that already holds tokens) uses
+    the absorbed form: `W_UK` is folded into the query and `W_UV` into the output, so attention runs as one-head
+    MQA straight over the latent cache and a step never materialises per-head keys.
+    With `mla_use_output_gate`, the per-head output is multiplied by `sigmoid(g_proj(x))` before `o_proj`.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.attention_dropout = config.attention_dropout
+        self.num_key_value_groups = 1  # keys/values are handed to the attention function with every head
+        self.is_causal = True
+        self.scaling = self.qk_head_dim**-0.5
+        hidden, heads = config.hidden_size, self.num_heads
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = KdaMoeRMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KdaMoeRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.g_proj = nn.Linear(hidden, heads * self.v_head_dim, bias=False) if config.mla_use_output_gate else None
+        self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch_size, seq_len = hidden_states.shape[:2]
+        heads = self.num_heads
+
+        if self.q_lora_rank is None:
+            query = self.q_proj(hidden_states)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query = query.view(batch_size, seq_len, heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, nope + rope]
+        q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latent = self.kv_a_layernorm(latent).view(batch_size, 1, seq_len, self.kv_lora_rank)
+        k_rope = k_rope.view(batch_size, 1, seq_len, self.qk_rope_head_dim)
+        if position_embeddings is not None:
+            q_rope, k_rope = apply_rotary_pos_emb(q_rope, k_rope, *position_embeddings)
+
+        # Absorbing W_UK / W_UV reads kv_b_proj's weight directly, so it is used only when that weight is the plain
+        # nn.Linear one (an adapter wrapped around kv_b_proj, e.g. LoRA, keeps the expanded form).
+        absorbed = cache is not None and cache.get_seq_length(self.layer_idx) > 0 and type(self.kv_b_proj) is nn.Linear
+        if cache is not None:
+            latent, k_rope = cache.update(latent, k_rope, self.layer_idx)  # [B, 1, S, kv_lora], [B, 1, S, rope]
+        kv_len = latent.shape[2]
+
+        if absorbed:
+            w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.kv_lora_rank).split(
+                [self.qk_nope_head_dim, self.v_head_dim], dim=1
+            )  # [H, nope, kv_lora], [H, v, kv_lora]
+            query = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # [B, H, T, kv_lora + rope]
+            key = torch.cat([latent, k_rope], dim=-1).expand(batch_size, heads, kv_len, -1)
+            value = latent.expand(batch_size, heads, kv_len, self.kv_lora_rank)
+        else:
+            kv = self.kv_b_proj(latent.squeeze(1)).view(batch_size, kv_len, heads, -1).transpose(1, 2)
+            k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, S, nope], [B, H, S, v]
+            query = torch.cat([q_nope, q_rope], dim=-1)
+            key = torch.cat([k_nope, k_rope.expand(batch_size, heads, kv_len, -1)], dim=-1)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
+        if absorbed:
+            attn_output = torch.einsum("bthc,hvc->bthv", attn_output, w_uv)
+        if self.g_proj is not None:
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states)).view(batch_size, seq_len, heads, -1)
+        attn_output = self.o_proj(attn_output.reshape(batch_size, seq_len, -1))
+        return attn_output, attn_weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeDeltaAttention(nn.Module):
+    """Kimi Delta Attention: a gated delta rule with channel-wise decay, per head state S [K, V] in fp32.
+
+    q, k, v = SiLU(short causal conv(W x)); the decay `g` comes from a rank-K projection plus `dt_bias`, through
+    either the bounded `gate_lower_bound * sigmoid(exp(A_log) * z)` (K3) or `-exp(A_log) * softplus(z)` (Kimi
+    Linear); `beta = sigmoid(b_proj(x))`. The L2 norm of q/k, the gate activation and the beta sigmoid happen inside
+    `kimi_delta_attention`, so the Triton backend fuses them. Output: `o_proj(RMSNorm(o) * sigmoid(gate))`.
+
+    Cache per layer: the conv state (last `kernel - 1` inputs of q, k, v) and the recurrent state S.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.gate_lower_bound = config.gate_lower_bound
+        self.backend = config.kernel_backend
+        hidden, width = config.hidden_size, self.num_heads * self.head_dim
+        self.width = width
+
+        self.q_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, width, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
+        # One depthwise conv over the concatenated q | k | v channels: weight [3 * H * K, 1, kernel].
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, config.linear_conv_kernel_dim, groups=3 * width, bias=False)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(width, dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, width, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        self.o_norm = KdaMoeGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=config.kernel_backend)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    def output_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(hidden_states)
+        return self.g_b_proj(self.g_a_proj(hidden_states))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        batch_size, seq_len = hidden_states.shape[:2]
+        head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
+
+        gate_logits = self.f_b_proj(self.f_a_proj(hidden_states))
+        beta_logits = self.b_proj(hidden_states)
+        if attention_mask is not None:
+            # Padding must leave the state as if the pad tokens were absent: they enter the conv as zeros, and their
+            # decay and write strength become exactly 0 (the most negative logit saturates both gates to 0).
+            pad = ~attention_mask.bool()[..., None]
+            hidden_states = hidden_states.masked_fill(pad, 0.0)
+            gate_logits = gate_logits.masked_fill(pad, torch.finfo(gate_logits.dtype).min)
+            beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
+
+        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
+        conv_weight = self.conv1d.weight.squeeze(1)  # [3 * H * K, kernel]
+        if conv_state is not None and seq_len == 1:
+            qkv = short_conv_step(qkv[:, 0], conv_weight, conv_state, backend=self.backend)[:, None]  # state in place
+        else:
+            qkv, conv_state = short_conv(
+                qkv,
+                conv_weight,
+                initial_state=conv_state,
+                output_final_state=cache is not None,
+                cu_seqlens=cu_seqlens,
+                backend=self.backend,
+            )
+        query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
+
+        core_attn_out, recurrent_state = kimi_delta_attention(
+            query,
+            key,
+            value,
+            gate_logits.view(head_shape),
+            beta_logits,
+            self.A_log,
+            self.dt_bias,
+            gate_lower_bound=self.gate_lower_bound,
+            initial_state=recurrent_state,
+            output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens,
+            backend=self.backend,
+        )  # [B, T, H, V], [B, H, K, V] fp32
+        if cache is not None:
+            cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=conv_state.shape[-1])
+            cache.update_recurrent_state(recurrent_state, self.layer_idx)
+
+        output = self.o_norm(core_attn_out, self.output_gate(hidden_states).view(head_shape))
+        return self.o_proj(output.reshape(batch_size, seq_len, self.width))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dense MLP (dense layers and shared experts)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeMLP(nn.Module):
+    def __init__(self, config: KdaMoeTextConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = KdaMoeGatedActivation(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Router and auxiliary-loss-free balancing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert: [N, k] -> [E] (int64)."""
+    return torch.bincount(topk_indices.flatten(), minlength=num_experts)
+
+
+QUANTILE_STEP = 0.7
+
+
+def quantile_balancing_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iterations: int) -> torch.Tensor:
+    """Quantile Balancing: the expert bias that routes about `m * k / E` of these m tokens to every expert.
+
+    scores [m, E] (sigmoid router scores, fp32), bias [E]. One pass (SPEC): cutoff `c_ij` = the score that expert j
+    must beat to enter token i's top-k under the current bias (the (k+1)-th largest of `s_i + b` when j is selected,
+    the k-th otherwise), margins `M = s - c`, target load `q = m * k // E`, quantile bias `b*_j = -((q+1)-th largest
+    of M[:, j])`, centred to mean 0. Moving every bias at once shifts the cutoffs, so the pass is repeated
+    `iterations` times on the same batch, each step going `QUANTILE_STEP` of the way to `b*` (a damped fixed-point
+    iteration: undamped steps oscillate around the balanced bias). Each pass is two top-k's, cheap next to experts.
+    """
+    num_tokens, num_experts = scores.shape
+    target = min(num_tokens * top_k // num_experts, num_tokens - 1)
+    for _ in range(iterations):
+        ranked = (scores + bias).topk(top_k + 1, dim=-1)
+        selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ranked.indices[:, :top_k], True)
+        cutoff = torch.where(selected, ranked.values[:, top_k, None], ranked.values[:, top_k - 1, None])
+        quantile_bias = -(scores - cutoff).topk(target + 1, dim=0).values[-1]
+        bias = bias + QUANTILE_STEP * (quantile_bias - bias)
+        bias = bias - bias.mean()
+    return bias
+
+
+class KdaMoeRouter(nn.Module):
+    """Sigmoid router in fp32 with a selection-only bias (`e_score_correction_bias`, a persistent fp32 buffer).
+
+    Selection uses `sigmoid(W x) + bias` (optionally group-limited); mixing weights are the unbiased scores of the
+    chosen experts, renormalised if `moe_renormalize`, times `routed_scaling_factor`.
+
+    Balancing (`router_balancing`): a training forward computes the new bias (`"quantile"`: Quantile Balancing,
+    `"bias_sign"`: DeepSeek-V3's `b += gamma * sign(mean_load - load)`) but applies it only once that step's backward
+    has gone through the router (a hook on the router logits' gradient). A forward recomputed by gradient
+    checkpointing therefore routes exactly like the original one, plain `Trainer` needs no callback, and eval /
+    `torch.no_grad()` forwards never touch the bias. The bias never receives gradients.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.balancing = config.router_balancing
+        self.bias_update_rate = config.router_bias_update_rate
+        self.balancing_iterations = config.router_balancing_iterations
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
+        self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward, for logging
+        self._pending_bias: torch.Tensor | None = None
+
+    def select_experts(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
+        """Top-k over `scores + bias`, restricted to the best `topk_group` of `n_group` expert groups."""
+        if self.n_group > 1:
+            grouped = scores_for_choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            keep = keep[..., None].expand_as(grouped).reshape_as(scores_for_choice)
+            scores_for_choice = scores_for_choice.masked_fill(~keep, float("-inf"))
+        return scores_for_choice.topk(self.top_k, dim=-1).indices
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states [N, d] -> (router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_indices [N, k])."""
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = router_logits.sigmoid()
+        topk_indices = self.select_experts(scores.detach() + self.e_score_correction_bias)
+        topk_weights = scores.gather(1, topk_indices)
+        if self.renormalize:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        topk_weights = topk_weights * self.routed_scaling_factor
+
+        self.last_load = expert_loads(topk_indices, self.num_experts)
+        if self.balancing != "none" and self.training and torch.is_grad_enabled():
+            self._stage_bias_update(scores.detach(), router_logits)
+        return router_logits, topk_weights, topk_indices
+
+    @torch.no_grad()
+    def _stage_bias_update(self, scores: torch.Tensor, router_logits: torch.Tensor) -> None:
+        if self.balancing == "quantile":
+            new_bias = quantile_balancing_bias(
+                scores, self.e_score_correction_bias, self.top_k, self.balancing_iterations
+            )
+        else:  # "bias_sign"
+            load = self.last_load.float()
+            new_bias = self.e_score_correction_bias + self.bias_update_rate * torch.sign(load.mean() - load)
+        self._pending_bias = new_bias
+        if router_logits.requires_grad:
+            router_logits.register_hook(self._apply_pending_bias)
+        else:  # no backward will reach this router (everything before it is frozen): nothing can recompute it
+            self._apply_pending_bias()
+
+    @torch.no_grad()
+    def _apply_pending_bias(self, grad: torch.Tensor | None = None) -> None:
+        if self._pending_bias is not None:
+            self.e_score_correction_bias.copy_(self._pending_bias)
+            self._pending_bias = None
+
+    def load_statistics(self) -> dict[str, float]:
+        """Max / mean tokens per expert and the number of experts that got no token, in the last forward."""
+        load = self.last_load.float()
+        return {"max_load": load.max().item(), "mean_load": load.mean().item(), "dead_experts": int((load == 0).sum())}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Routed experts (fused 3D weights) and the LatentMoE block
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@use_experts_implementation
+class KdaMoeExperts(nn.Module):
+    """E routed experts stored fused: `gate_up_proj` [E, 2I, l] and `down_proj` [E, l, I] (l = expert width).
+
+    `config.experts_implementation` picks this eager loop or transformers' batched / grouped GEMMs; all of them call
+    `_apply_gate`, so SiTU-GLU is used everywhere.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.routed_expert_hidden_size or config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = KdaMoeGatedActivation(config)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate, up)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden_states [N, l], top_k_index / top_k_weights [N, k] -> [N, l]."""
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_hit = expert_loads(top_k_index, self.num_experts).nonzero().flatten().tolist()
+        for expert_idx in expert_hit:
+            token_idx, top_k_pos = torch.where(top_k_index == expert_idx)
+            gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
+            expert_out = F.linear(self._apply_gate(gate_up), self.down_proj[expert_idx])
+            expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+
+class KdaMoeSparseMoeBlock(nn.Module):
+    """LatentMoE: route on the full hidden state, run the experts in a narrower latent space.
+
+    `z = latent_down_proj(x)`; `u = sum_j w_j Expert_j(z)`; `u = latent_norm(u)`; `y = latent_up_proj(u) +
+    shared_experts(x)`. With `routed_expert_hidden_size=None` the experts run at full width (no latent path).
+    """
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__()
+        self.gate = KdaMoeRouter(config)
+        self.experts = KdaMoeExperts(config)
+        latent = config.routed_expert_hidden_size
+        if latent is not None:
+            self.latent_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
+            self.latent_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+        self.latent_norm = KdaMoeRMSNorm(latent, eps=config.rms_norm_eps) if latent and config.latent_moe_use_norm else None
+        self.shared_experts = (
+            KdaMoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
+            if config.num_shared_experts > 0
+            else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        _, topk_weights, topk_indices = self.gate(tokens)
+        latent = self.latent_down_proj(tokens) if hasattr(self, "latent_down_proj") else tokens
+        routed = self.experts(latent, topk_indices, topk_weights.to(latent.dtype))
+        if self.latent_norm is not None:
+            routed = self.latent_norm(routed)
+        output = self.latent_up_proj(routed) if hasattr(self, "latent_up_proj") else routed
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(tokens)
+        return output.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block Attention Residuals
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoePseudoQuery(nn.Linear):
+    """`Linear(d, 1)` holding an AttnRes pseudo-query; its own class so that init can start it at zero."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1, bias=False)
+
+
+class KdaMoeAttnRes(nn.Module):
+    """Softmax mixture over depth of the stored block summaries and the running partial sum.
+
+    `w = norm.weight * proj.weight` is the effective pseudo-query (zero at init: uniform mixing); keys are the
+    RMS-normalised values, the mixture is taken over the raw values, all in fp32.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__()
+        self.proj = KdaMoePseudoQuery(config.hidden_size)
+        self.norm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, partial: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
+        """partial [B, T, d], blocks [N, B, T, d] or None -> [B, T, d]."""
+        if blocks is None:
+            return partial
+        values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
+        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+        query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
+        weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
+        return (weights[..., None] * values).sum(0).to(partial.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeDecoderLayer(GradientCheckpointingLayer):
+    """Token mixer (KDA or gated MLA) and channel mixer (dense MLP or LatentMoE), pre-norm.
+
+    The layer carries `(partial, blocks)`: with plain residuals `partial` is the residual stream and `blocks` stays
+    None; with Block AttnRes each sublayer reads a depth mixture of the stored blocks and the partial sum, and a new
+    block starts every `attn_res_block_size` layers.
+    """
+
+    def __init__(self, config: KdaMoeTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.self_attn = KdaMoeDeltaAttention(config, layer_idx)
+        else:
+            self.self_attn = KdaMoeAttention(config, layer_idx)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = KdaMoeSparseMoeBlock(config)
+        else:
+            self.mlp = KdaMoeMLP(config, config.intermediate_size)
+        self.input_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        block_size = config.attn_res_block_size
+        self.starts_block = block_size is not None and layer_idx % block_size == 0
+        self.attn_res = KdaMoeAttnRes(config) if block_size is not None else None
+        self.mlp_res = KdaMoeAttnRes(config) if block_size is not None else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attn_res_blocks: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        partial, blocks = hidden_states, attn_res_blocks
+        mixed = partial if self.attn_res is None else self.attn_res(partial, blocks)
+        if self.starts_block:
+            blocks = partial[None] if blocks is None else torch.cat([blocks, partial[None]], dim=0)
+
+        normed = self.input_layernorm(mixed)
+        if self.layer_type == "linear_attention":
+            update = self.self_attn(normed, attention_mask=attention_mask, cache=cache, cu_seqlens=cu_seqlens)
+        else:
+            update, _ = self.self_attn(
+                normed, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache, **kwargs
+            )
+        partial = update if self.starts_block else partial + update
+
+        mixed = partial if self.mlp_res is None else self.mlp_res(partial, blocks)
+        partial = partial + self.mlp(self.post_attention_layernorm(mixed))
+        return partial, blocks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pretrained model, base model, causal LM head
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoePreTrainedModel(PreTrainedModel):
+    config: KdaMoeTextConfig
+    config_class = KdaMoeTextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KdaMoeDecoderLayer"]
+    _supports_flash_attn = False  # MLA's query/key width differs from the value width
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _is_stateful = True  # recurrent KDA state: no cache cropping / assisted decoding
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(KdaMoeRouter, index=0),
+        "hidden_states": OutputRecorder(KdaMoeDecoderLayer, index=0),
+        "attentions": OutputRecorder(KdaMoeAttention, index=1),
+    }
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
+
+    def _init_weights(self, module):
+        if isinstance(module, KdaMoePseudoQuery):
+            init.zeros_(module.weight)  # zero pseudo-queries: every AttnRes mixture starts as the plain average
+            return
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, KdaMoeDeltaAttention):
+            # Decay rates exp(A_log) in [1, 16]; dt_bias = inverse softplus of dt ~ logU(1e-3, 1e-1), as in Mamba/FLA.
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        elif isinstance(module, KdaMoeExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KdaMoeRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KdaMoeGatedRMSNorm):
+            init.ones_(module.weight)
+
+    def router_load_statistics(self) -> dict[str, dict[str, float]]:
+        """Per MoE layer load statistics of the last forward (max/mean tokens per expert, dead experts)."""
+        return {
+            name.removesuffix(".gate"): module.load_statistics()
+            for name, module in self.named_modules()
+            if isinstance(module, KdaMoeRouter) and module.last_load is not None
+        }
+
+
+def packed_sequence_boundaries(position_ids: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
+    """`cu_seqlens` of a packed batch (one row whose position ids restart at 0 for every sequence), else None."""
+    if position_ids is None or batch_size != 1 or position_ids.shape[-1] < 2:
+        return None
+    starts = torch.nonzero(position_ids[0] == 0).flatten()
+    if starts.numel() <= 1 or starts[0] != 0:
+        return None
+    end = torch.tensor([position_ids.shape[-1]], device=starts.device)
+    return torch.cat([starts, end]).to(torch.int64)
+
+
+class KdaMoeTextModel(KdaMoePreTrainedModel):
+    """Embeddings -> decoder layers -> (final AttnRes mix) -> final norm. `last_hidden_state` feeds `lm_head` as is."""
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([KdaMoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.out_res = KdaMoeAttnRes(config) if config.attn_res_block_size is not None else None
+        self.norm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        uses_rope = not config.mla_use_nope and "full_attention" in config.layer_types
+        self.rotary_emb = KdaMoeRotaryEmbedding(config) if uses_rope else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    @accepts_legacy_cache_name
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False  # a recomputed layer would write its cache twice
+        if not use_cache:
+            cache = None
+        elif cache is None:
+            cache = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        cu_seqlens = packed_sequence_boundaries(position_ids, inputs_embeds.shape[0])
+
+        if not isinstance(mask_mapping := attention_mask, dict):
+            mask_mapping = {
+                "full_attention": create_causal_mask(
+                    self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids
+                ),
+                "linear_attention": create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache),
+            }
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+
+        hidden_states, blocks = inputs_embeds, None
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, blocks = decoder_layer(
+                hidden_states,
+                blocks,
+                attention_mask=mask_mapping[decoder_layer.layer_type],
+                position_embeddings=position_embeddings,
+                cache=cache,
+                cu_seqlens=cu_seqlens,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        if self.out_res is not None:
+            hidden_states = self.out_res(hidden_states, blocks)
+        hidden_states = self.norm(hidden_states)
+        return model_output(MoeModelOutputWithPast, last_hidden_state=hidden_states, cache=cache)
+
+
+class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: KdaMoeTextConfig):
+        super().__init__(config)
+        self.model = KdaMoeTextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    @accepts_legacy_cache_name
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return model_output(
+            MoeCausalLMOutputWithPast,
+            loss=loss,
+            logits=logits,
+            cache=outputs[1] if len(outputs) > 1 and isinstance(outputs[1], Cache) else None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+
+__all__ = ["KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]

@@ -1,0 +1,137 @@
+"""Quantile Balancing / bias_sign: the deferred, gradient-free expert bias of the LatentMoE router."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+
+from kda_moe.modeling.modeling_kda_moe import KdaMoeRouter, expert_loads
+
+
+def router_and_tokens(seed=0, tokens=128, **overrides):
+    config = tiny_config(**overrides)
+    torch.manual_seed(seed)
+    router = KdaMoeRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)
+    return router, hidden
+
+
+def train_step(router, hidden):
+    _, weights, indices = router(hidden)
+    (weights.sum() + 0 * hidden.sum()).backward()
+    return indices
+
+
+def test_quantile_update_gives_every_expert_the_target_load():
+    router, hidden = router_and_tokens(tokens=128)
+    router.train()
+    before = expert_loads(train_step(router, hidden), router.num_experts)
+    target = hidden.shape[0] * router.top_k // router.num_experts
+    router.eval()
+    with torch.no_grad():
+        scores = router(hidden)[0].sigmoid()
+        after = expert_loads(router(hidden)[2], router.num_experts)
+    # Ties: tokens whose biased score sits exactly at an expert's cutoff could go either way.
+    biased = scores + router.e_score_correction_bias
+    kth = biased.topk(router.top_k, dim=-1).values[:, -1:]
+    ties = int(((biased == kth).sum(-1) > 1).sum())
+    assert (before - target).abs().max() > 1  # the batch starts out unbalanced
+    assert (after - target).abs().max() <= 1 + ties, (before.tolist(), after.tolist(), target)
+    assert abs(router.e_score_correction_bias.mean().item()) < 1e-6
+    assert router.e_score_correction_bias.grad is None and not router.e_score_correction_bias.requires_grad
+
+
+def test_bias_is_applied_only_after_backward():
+    router, hidden = router_and_tokens()
+    router.train()
+    _, weights, _ = router(hidden)
+    assert torch.count_nonzero(router.e_score_correction_bias) == 0  # staged, not applied, during the forward
+    weights.sum().backward()
+    assert torch.count_nonzero(router.e_score_correction_bias) > 0
+
+
+def test_bias_is_unchanged_in_eval_mode_and_under_no_grad():
+    router, hidden = router_and_tokens()
+    router.eval()
+    router(hidden)[1].sum().backward()
+    assert torch.count_nonzero(router.e_score_correction_bias) == 0
+    router.train()
+    with torch.no_grad():
+        router(hidden)
+    assert torch.count_nonzero(router.e_score_correction_bias) == 0
+    assert router._pending_bias is None
+
+
+def test_bias_sign_moves_against_the_load():
+    router, hidden = router_and_tokens(router_balancing="bias_sign", router_bias_update_rate=0.01)
+    router.train()
+    load = expert_loads(train_step(router, hidden), router.num_experts).float()
+    expected = 0.01 * torch.sign(load.mean() - load)
+    assert torch.allclose(router.e_score_correction_bias, expected)
+
+
+def test_no_balancing_leaves_the_bias_alone():
+    router, hidden = router_and_tokens(router_balancing="none")
+    router.train()
+    train_step(router, hidden)
+    assert torch.count_nonzero(router.e_score_correction_bias) == 0
+
+
+def test_bias_is_saved_and_restored(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(seed=0).train()
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 16))
+    model(input_ids, labels=input_ids).loss.backward()
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert biases and all(torch.count_nonzero(b) > 0 for b in biases.values())
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, buffer in reloaded.named_buffers():
+        if name in biases:
+            assert buffer.dtype == torch.float32 and torch.equal(buffer, biases.pop(name))
+    assert not biases
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("balancing", ["quantile", "bias_sign"])
+def test_gradient_checkpointing_sees_the_same_routing(balancing, reentrant):
+    """Two training steps with and without gradient checkpointing: same gradients and same biases."""
+    base = tiny_model(seed=3, router_balancing=balancing, router_bias_update_rate=0.05).train()
+    runs = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for step in range(2):
+            input_ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(step))
+            model(input_ids, labels=input_ids).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            optimizer.step()
+            optimizer.zero_grad()
+        biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+        runs.append((grads, biases))
+    (grads_a, biases_a), (grads_b, biases_b) = runs
+    for step_a, step_b in zip(grads_a, grads_b):
+        assert step_a.keys() == step_b.keys()
+        for name in step_a:
+            assert torch.allclose(step_a[name], step_b[name], atol=1e-6, rtol=1e-5), name
+    for name in biases_a:
+        assert torch.count_nonzero(biases_a[name]) > 0
+        assert torch.equal(biases_a[name], biases_b[name]), name
+
+
+def test_router_load_statistics_report_every_moe_layer():
+    model = tiny_model(seed=0)
+    with torch.no_grad():
+        model(torch.randint(1, model.config.vocab_size, (2, 10)))
+    stats = model.router_load_statistics()
+    sparse_layers = [i for i, kind in enumerate(model.config.mlp_layer_types) if kind == "sparse"]
+    assert sorted(stats) == [f"model.layers.{i}.mlp" for i in sparse_layers]
+    for layer_stats in stats.values():
+        assert layer_stats["mean_load"] == pytest.approx(2 * 10 * model.config.num_experts_per_tok / model.config.num_experts)
+        assert layer_stats["max_load"] >= layer_stats["mean_load"] and 0 <= layer_stats["dead_experts"] < 8
