@@ -69,6 +69,19 @@ def finish_strict_config(cls):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Expert-parallel plan style names: `ep_router` + `moe_tp_experts` up to 5.18, `ep_dispatch_experts` from 5.19
+# (which ships `transformers.distributed.expert_parallel`).
+# ---------------------------------------------------------------------------------------------------------------
+
+try:
+    import transformers.distributed.expert_parallel  # noqa: F401
+
+    EXPERT_PARALLEL_STYLES = {"router": None, "experts": "ep_dispatch_experts"}
+except ImportError:
+    EXPERT_PARALLEL_STYLES = {"router": "ep_router", "experts": "moe_tp_experts"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Modeling: cache argument / output names, linear-attention cache states, logits slicing
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
-from ..compat import ConfigValidationError, finish_strict_config
+from ..compat import EXPERT_PARALLEL_STYLES, ConfigValidationError, finish_strict_config
 
 ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
@@ -125,6 +125,28 @@ class KdaMoeTextConfig(PreTrainedConfig):
 
     model_type = "kda_moe_text"
     keys_to_ignore_at_inference = ["past_key_values"]
+    base_model_tp_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": EXPERT_PARALLEL_STYLES["experts"],
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attn_res_blocks", "attention_mask"], ["hidden_states", "attn_res_blocks"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+    base_model_ep_plan = {
+        **({"layers.*.mlp.gate": EXPERT_PARALLEL_STYLES["router"]} if EXPERT_PARALLEL_STYLES["router"] else {}),
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": EXPERT_PARALLEL_STYLES["experts"],
+    }
     attribute_map = {
         # spellings of the published Kimi Linear / Kimi K3 configs and of transformers' `kimi_linear`
         "num_experts_per_token": "num_experts_per_tok",
