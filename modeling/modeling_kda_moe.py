@@ -11,6 +11,7 @@ gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research 
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -704,6 +705,20 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# What a saved folder's `auto_map` points at: `trust_remote_code` loaders import these one-line modules.
+REMOTE_CODE_CLASSES = {
+    "AutoConfig": ("configuration_kda_moe", "KdaMoeTextConfig"),
+    "AutoModel": ("modeling_kda_moe", "KdaMoeTextModel"),
+    "AutoModelForCausalLM": ("modeling_kda_moe", "KdaMoeForCausalLM"),
+}
+REMOTE_CODE_MODULES = {
+    "configuration_kda_moe": '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
+    "from kda_moe.configuration import KdaMoeTextConfig  # noqa: F401\n",
+    "modeling_kda_moe": '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
+    "from kda_moe.modeling import KdaMoeForCausalLM, KdaMoeTextModel  # noqa: F401\n",
+}
+
+
 class KdaMoePreTrainedModel(PreTrainedModel):
     config: KdaMoeTextConfig
     config_class = KdaMoeTextConfig
@@ -741,6 +756,16 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, KdaMoeGatedRMSNorm):
             init.ones_(module.weight)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus an `auto_map` and two one-line modules that import this package,
+        so the folder (or its Hub copy) also loads with `Auto*.from_pretrained(..., trust_remote_code=True)` in a
+        process that never imports `kda_moe` itself (the package must be installed)."""
+        self.config.auto_map = {name: f"{module}.{cls}" for name, (module, cls) in REMOTE_CODE_CLASSES.items()}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            for module, source in REMOTE_CODE_MODULES.items():
+                (Path(save_directory) / f"{module}.py").write_text(source)
 
     def router_load_statistics(self) -> dict[str, dict[str, float]]:
         """Per MoE layer load statistics of the last forward (max/mean tokens per expert, dead experts)."""

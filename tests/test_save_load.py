@@ -1,0 +1,145 @@
+"""save_pretrained / from_pretrained round trips, remote-code loading, output recording, K3 shape."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig, KdaMoeTextModel
+
+
+def trained_once(model):
+    """One training step so that every weight and every router bias differs from its init."""
+    model.train()
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 10))
+    model(input_ids, labels=input_ids).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-0.1)
+    return model.eval()
+
+
+def test_save_then_auto_from_pretrained_is_bit_exact(tmp_path):
+    model = trained_once(tiny_model(seed=0))
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(reloaded) is KdaMoeForCausalLM
+    original, loaded = model.state_dict(), reloaded.state_dict()
+    assert original.keys() == loaded.keys()
+    for name in original:
+        assert original[name].dtype == loaded[name].dtype and torch.equal(original[name], loaded[name]), name
+    input_ids = torch.randint(1, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        # Weights are bit-identical (above); loaded tensors live in differently aligned memory, which can steer CPU
+        # BLAS onto another SIMD path, so logits may differ in the last fp32 bit.
+        assert (model(input_ids).logits - reloaded(input_ids).logits).abs().max() < 1e-6
+    assert type(AutoModel.from_pretrained(tmp_path)) is KdaMoeTextModel
+    volatile = ("_name_or_path", "transformers_version")
+    loaded_config = {k: v for k, v in AutoConfig.from_pretrained(tmp_path).to_dict().items() if k not in volatile}
+    assert loaded_config == {k: v for k, v in model.config.to_dict().items() if k not in volatile}
+
+
+def test_saved_folder_loads_with_trust_remote_code_without_importing_kda_moe(tmp_path):
+    model = trained_once(tiny_model(seed=1))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kda_moe.KdaMoeForCausalLM"
+    input_ids = torch.randint(1, model.config.vocab_size, (1, 7))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    torch.save({"input_ids": input_ids, "logits": expected}, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        assert "kda_moe" not in sys.modules
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        with torch.no_grad():
+            logits = model(data["input_ids"]).logits
+        # Same weights; another process may split fp32 reductions across threads differently.
+        assert (logits - data["logits"]).abs().max() < 1e-5
+        print("remote-code-ok", type(model).__name__)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote-code-ok KdaMoeForCausalLM" in result.stdout
+
+
+def test_outputs_record_hidden_states_attentions_and_router_logits():
+    model = tiny_model(seed=0)
+    model.config._attn_implementation = "eager"
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        out = model(input_ids, output_hidden_states=True, output_attentions=True, output_router_logits=True)
+    config = model.config
+    assert len(out.hidden_states) == config.num_hidden_layers + 1
+    assert torch.equal(out.hidden_states[0], model.model.embed_tokens(input_ids))
+    assert len(out.attentions) == config.layer_types.count("full_attention")
+    assert out.attentions[0].shape == (2, config.num_attention_heads, 6, 6)
+    assert torch.allclose(out.attentions[0].sum(-1), torch.ones(2, config.num_attention_heads, 6))
+    assert len(out.router_logits) == config.mlp_layer_types.count("sparse")
+    assert out.router_logits[0].shape == (2 * 6, config.num_experts)
+
+
+def test_logits_to_keep_slices_the_last_positions():
+    model = tiny_model(seed=0)
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        last = model(input_ids, logits_to_keep=1).logits
+    assert last.shape == (2, 1, model.config.vocab_size) and torch.allclose(last, full[:, -1:], atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_experts_implementations_match_eager(implementation):
+    eager = tiny_model(seed=0)
+    other = tiny_model(seed=0, experts_implementation=implementation)
+    assert other.config._experts_implementation == implementation
+    input_ids = torch.randint(1, eager.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert (eager(input_ids).logits - other(input_ids).logits).abs().max() < 1e-5
+
+
+def test_sdpa_matches_eager_attention():
+    eager = tiny_model(seed=0, mla_use_nope=False)
+    eager.config._attn_implementation = "eager"
+    sdpa = tiny_model(seed=0, mla_use_nope=False)
+    sdpa.config._attn_implementation = "sdpa"
+    input_ids = torch.randint(1, eager.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert (eager(input_ids).logits - sdpa(input_ids).logits).abs().max() < 1e-5
+
+
+def test_kimi_k3_shape_on_meta_device():
+    """Counting rule: parameters only (router biases are buffers); embeddings and the untied lm_head counted once
+    each. Activated per token = everything except the routed experts a token does not select (top-16 of 896)."""
+    config = KdaMoeTextConfig.kimi_k3()
+    with torch.device("meta"):
+        model = KdaMoeForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    activated = total - routed + routed * config.num_experts_per_tok // config.num_experts
+    assert config.layer_types.count("linear_attention") == 69 and config.layer_types.count("full_attention") == 24
+    assert config.layer_types[-2:] == ["full_attention", "full_attention"]
+    assert (config.hidden_size, config.num_experts, config.num_experts_per_tok) == (7168, 896, 16)
+    assert abs(total / 2.78e12 - 1) < 0.01, total
+    assert abs(activated / 104e9 - 1) < 0.02, activated
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    model = tiny_model(seed=0, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    reloaded = KdaMoeForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
