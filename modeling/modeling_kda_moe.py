@@ -422,8 +422,50 @@ def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 QUANTILE_STEP = 0.7
 
 
-def quantile_balancing_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iterations: int) -> torch.Tensor:
-    """Quantile Balancing: the expert bias that routes about `m * k / E` of these m tokens to every expert.
+def data_parallel_group() -> "torch.distributed.ProcessGroup | None":
+    """The process group whose ranks must agree on the expert biases (the default one), or None on one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            return torch.distributed.group.WORLD
+    return None
+
+
+def pooled_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        torch.distributed.all_reduce(tensor, group=group)
+    return tensor
+
+
+def column_quantile(values: torch.Tensor, rank: int, bins: int | None, group) -> torch.Tensor:
+    """The `rank`-th largest entry of every column of values [m, E] (1-based), over the tokens of every rank.
+
+    On one process (`bins=None`) the exact order statistic. Under data parallelism each rank bins its values on a
+    shared range, the per-expert histograms [E, bins] are summed across ranks, and the quantile is read from the
+    pooled histogram with linear interpolation inside its bin: every rank gets the same answer, within one bin width.
+    """
+    if bins is None:
+        return values.topk(rank, dim=0).values[-1]
+    low, high = values.min(0).values.clone(), values.max(0).values.clone()
+    if group is not None:
+        torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
+        torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+    width = (high - low).clamp_min(1e-12) / bins  # [E]
+    index = ((values - low) / width).floor().clamp(0, bins - 1).long()  # [m, E]
+    counts = torch.zeros(values.shape[1], bins, dtype=torch.float64, device=values.device)
+    counts.scatter_add_(1, index.T, torch.ones_like(index.T, dtype=torch.float64))
+    counts = pooled_sum(counts, group)
+    at_or_above = counts.flip(1).cumsum(1).flip(1)  # [E, bins]: values in this bin or higher
+    bin_index = ((at_or_above >= rank).sum(1) - 1).clamp_min(0)  # the bin holding the rank-th largest value
+    above = (at_or_above.gather(1, bin_index[:, None]) - counts.gather(1, bin_index[:, None]))[:, 0]
+    inside = counts.gather(1, bin_index[:, None])[:, 0].clamp_min(1)
+    fraction = ((rank - above) / inside).clamp(0, 1).to(values.dtype)  # how far down from the bin's upper edge
+    return low + width * (bin_index.to(values.dtype) + 1 - fraction)
+
+
+def quantile_balancing_bias(
+    scores: torch.Tensor, bias: torch.Tensor, top_k: int, iterations: int, bins: int | None = None, group=None
+) -> torch.Tensor:
+    """Quantile Balancing: the expert bias that routes about `m * k / E` of the m tokens to every expert.
 
     scores [m, E] (sigmoid router scores, fp32), bias [E]. One pass (SPEC): cutoff `c_ij` = the score that expert j
     must beat to enter token i's top-k under the current bias (the (k+1)-th largest of `s_i + b` when j is selected,
@@ -431,14 +473,17 @@ def quantile_balancing_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int
     of M[:, j])`, centred to mean 0. Moving every bias at once shifts the cutoffs, so the pass is repeated
     `iterations` times on the same batch, each step going `QUANTILE_STEP` of the way to `b*` (a damped fixed-point
     iteration: undamped steps oscillate around the balanced bias). Each pass is two top-k's, cheap next to experts.
+    Under data parallelism (`group`), m counts the tokens of every rank and the quantile is read from pooled
+    histograms of `bins` bins (`column_quantile`), so every rank ends with the same bias.
     """
-    num_tokens, num_experts = scores.shape
+    num_experts = scores.shape[1]
+    num_tokens = int(pooled_sum(torch.tensor([scores.shape[0]], device=scores.device), group).item())
     target = min(num_tokens * top_k // num_experts, num_tokens - 1)
     for _ in range(iterations):
         ranked = (scores + bias).topk(top_k + 1, dim=-1)
         selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ranked.indices[:, :top_k], True)
         cutoff = torch.where(selected, ranked.values[:, top_k, None], ranked.values[:, top_k - 1, None])
-        quantile_bias = -(scores - cutoff).topk(target + 1, dim=0).values[-1]
+        quantile_bias = -column_quantile(scores - cutoff, target + 1, bins, group)
         bias = bias + QUANTILE_STEP * (quantile_bias - bias)
         bias = bias - bias.mean()
     return bias
@@ -468,6 +513,7 @@ class KdaMoeRouter(nn.Module):
         self.balancing = config.router_balancing
         self.bias_update_rate = config.router_bias_update_rate
         self.balancing_iterations = config.router_balancing_iterations
+        self.balancing_bins = config.router_balancing_bins
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward, for logging
@@ -501,12 +547,18 @@ class KdaMoeRouter(nn.Module):
 
     @torch.no_grad()
     def _stage_bias_update(self, scores: torch.Tensor, router_logits: torch.Tensor) -> None:
+        group = data_parallel_group()
         if self.balancing == "quantile":
             new_bias = quantile_balancing_bias(
-                scores, self.e_score_correction_bias, self.top_k, self.balancing_iterations
+                scores,
+                self.e_score_correction_bias,
+                self.top_k,
+                self.balancing_iterations,
+                bins=None if group is None else self.balancing_bins,
+                group=group,
             )
         else:  # "bias_sign"
-            load = self.last_load.float()
+            load = pooled_sum(self.last_load.float(), group)
             new_bias = self.e_score_correction_bias + self.bias_update_rate * torch.sign(load.mean() - load)
         self._pending_bias = new_bias
         if router_logits.requires_grad:

@@ -135,3 +135,28 @@ def test_router_load_statistics_report_every_moe_layer():
     for layer_stats in stats.values():
         assert layer_stats["mean_load"] == pytest.approx(2 * 10 * model.config.num_experts_per_tok / model.config.num_experts)
         assert layer_stats["max_load"] >= layer_stats["mean_load"] and 0 <= layer_stats["dead_experts"] < 8
+
+
+def test_histogram_quantile_is_within_one_bin_of_the_exact_order_statistic():
+    from kda_moe.modeling.modeling_kda_moe import column_quantile
+
+    values = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    width = (values.max(0).values - values.min(0).values) / 64
+    for rank in (1, 37, 150, 300):
+        exact = column_quantile(values, rank, bins=None, group=None)
+        estimate = column_quantile(values, rank, bins=64, group=None)
+        assert ((estimate - exact).abs() <= width + 1e-6).all(), rank
+
+
+def test_histogram_balancing_matches_exact_balancing_closely():
+    from kda_moe.modeling.modeling_kda_moe import quantile_balancing_bias
+
+    router, hidden = router_and_tokens(tokens=256)
+    with torch.no_grad():
+        scores = router(hidden)[0].sigmoid()
+    bias = torch.zeros(router.num_experts)
+    exact = quantile_balancing_bias(scores, bias, router.top_k, iterations=8)
+    estimate = quantile_balancing_bias(scores, bias, router.top_k, iterations=8, bins=4096)
+    assert (exact - estimate).abs().max() < 2e-3
+    loads = expert_loads((scores + estimate).topk(router.top_k, dim=-1).indices, router.num_experts)
+    assert (loads - 256 * router.top_k // router.num_experts).abs().max() <= 2
