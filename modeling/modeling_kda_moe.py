@@ -871,26 +871,36 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False  # a recomputed layer would write its cache twice
+        # A packed batch (one row, position ids restarting at 0 per sequence) resets KDA at every sequence start and
+        # restricts MLA to each sequence; it holds several sequences, so it can neither continue nor fill a cache.
+        cu_seqlens = packed_sequence_boundaries(position_ids, inputs_embeds.shape[0])
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError(
+                "position_ids restart at 0 inside the row (a packed batch of several sequences), but a cache was "
+                "passed: packed sequences cannot use a cache. Run each sequence separately, or pass position_ids "
+                "that continue from the cache."
+            )
+        if (self.gradient_checkpointing and self.training) or cu_seqlens is not None:
+            use_cache = False  # a recomputed layer would write its cache twice; a packed row has no single future
         if not use_cache:
             cache = None
         elif cache is None:
             cache = DynamicCache(config=self.config)
 
+        has_mla = "full_attention" in self.config.layer_types  # only MLA layers count the tokens they have seen
         if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None and has_mla else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        cu_seqlens = packed_sequence_boundaries(position_ids, inputs_embeds.shape[0])
 
         if not isinstance(mask_mapping := attention_mask, dict):
             mask_mapping = {
-                "full_attention": create_causal_mask(
-                    self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids
-                ),
                 "linear_attention": create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache),
             }
+            if has_mla:
+                mask_mapping["full_attention"] = create_causal_mask(
+                    self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids
+                )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         hidden_states, blocks = inputs_embeds, None

@@ -146,3 +146,30 @@ def test_text_generation_pipeline_runs(tmp_path):
     result = generator("the quick", max_new_tokens=5, do_sample=False)
     assert result[0]["generated_text"].startswith("the quick")
     assert len(fast(result[0]["generated_text"])["input_ids"]) > len(fast("the quick")["input_ids"])
+
+
+def test_packed_row_matches_sequences_run_separately(full_model):
+    """position_ids restarting at 0 pack sequences into one row: KDA state and conv reset, MLA stays inside each."""
+    generator = torch.Generator().manual_seed(7)
+    pieces = [torch.randint(1, full_model.config.vocab_size, (1, n), generator=generator) for n in (7, 1, 5)]
+    packed = torch.cat(pieces, dim=1)
+    position_ids = torch.cat([torch.arange(p.shape[1]) for p in pieces])[None]
+    with torch.no_grad():
+        out = full_model(packed, position_ids=position_ids)
+        assert output_cache(out) is None
+        start = 0
+        for piece in pieces:
+            alone = full_model(piece).logits
+            assert (out.logits[:, start : start + piece.shape[1]] - alone).abs().max() < 1e-5
+            start += piece.shape[1]
+        with pytest.raises(ValueError, match="packed sequences cannot use a cache"):
+            full_model(packed, position_ids=position_ids, cache=DynamicCache(config=full_model.config))
+
+
+def test_pure_kda_model_decodes_through_its_cache():
+    model = tiny_model(seed=0, layer_types=["linear_attention"] * 5)
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        stepped = decode_in_chunks(model, input_ids, [4, 1, 1, 3])
+    assert (stepped - full).abs().max() < 1e-4
