@@ -323,13 +323,14 @@ class KdaMoeDeltaAttention(nn.Module):
         if config.use_full_rank_gate:
             self.g_proj = nn.Linear(hidden, width, bias=False)
         else:
+            self.g_proj = None
             self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
             self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
         self.o_norm = KdaMoeGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=config.kernel_backend)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
     def output_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "g_proj"):
+        if self.g_proj is not None:
             return self.g_proj(hidden_states)
         return self.g_b_proj(self.g_a_proj(hidden_states))
 
@@ -632,9 +633,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
         self.gate = KdaMoeRouter(config)
         self.experts = KdaMoeExperts(config)
         latent = config.routed_expert_hidden_size
-        if latent is not None:
-            self.latent_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
-            self.latent_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+        self.latent_down_proj = nn.Linear(config.hidden_size, latent, bias=False) if latent else None
+        self.latent_up_proj = nn.Linear(latent, config.hidden_size, bias=False) if latent else None
         self.latent_norm = KdaMoeRMSNorm(latent, eps=config.rms_norm_eps) if latent and config.latent_moe_use_norm else None
         self.shared_experts = (
             KdaMoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
@@ -646,11 +646,11 @@ class KdaMoeSparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_indices = self.gate(tokens)
-        latent = self.latent_down_proj(tokens) if hasattr(self, "latent_down_proj") else tokens
+        latent = tokens if self.latent_down_proj is None else self.latent_down_proj(tokens)
         routed = self.experts(latent, topk_indices, topk_weights.to(latent.dtype))
         if self.latent_norm is not None:
             routed = self.latent_norm(routed)
-        output = self.latent_up_proj(routed) if hasattr(self, "latent_up_proj") else routed
+        output = routed if self.latent_up_proj is None else self.latent_up_proj(routed)
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         return output.view(shape)
