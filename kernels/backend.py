@@ -15,15 +15,21 @@ BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "KDA_MOE_BACKEND"
 
 _TRITON_OPS: dict[str, Callable] = {}
+_AUTO_TRITON_OPS: set[str] = set()  # registered kernels that "auto" may pick
 
 
-def register_triton_op(name: str, fn: Callable | None = None):
+def register_triton_op(name: str, fn: Callable | None = None, *, auto: bool = True):
     """Register the Triton implementation of op ``name`` (usable as ``@register_triton_op("kda")``).
 
-    ``fn`` takes the same arguments as the public op (minus ``backend``)."""
+    ``fn`` takes the same arguments as the public op (minus ``backend``). ``auto=False`` registers a kernel that
+    runs only when ``"triton"`` is asked for explicitly (not yet validated on every shape), never under ``"auto"``."""
     if fn is None:
-        return lambda f: register_triton_op(name, f)
+        return lambda f: register_triton_op(name, f, auto=auto)
     _TRITON_OPS[name] = fn
+    if auto:
+        _AUTO_TRITON_OPS.add(name)
+    else:
+        _AUTO_TRITON_OPS.discard(name)
     return fn
 
 
@@ -59,7 +65,7 @@ def resolve_backend(requested: str, *tensors: torch.Tensor | None, op: str) -> s
         return "torch"
     if choice == "auto":
         on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
-        return "triton" if on_cuda and triton_op_available(op) else "torch"
+        return "triton" if on_cuda and op in _AUTO_TRITON_OPS else "torch"
     triton_op(op)  # raises NotImplementedError when the kernel is not built
     off_cuda = sorted(str(d) for d in devices if d.type != "cuda")
     if off_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,7 +1,15 @@
 """Shared helpers: tiny configs that keep the CPU suite fast while switching every feature on."""
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA the Triton kernels can only run in Triton's interpreter, which is chosen when a kernel is
+    # decorated, i.e. when `kda_moe` is imported: set it before any test imports the package.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def tiny_config(**overrides):

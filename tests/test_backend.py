@@ -12,6 +12,7 @@ def clean_env(monkeypatch):
     monkeypatch.delenv("KDA_MOE_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(backend, "_TRITON_OPS", {})  # registrations made by a test vanish after it
+    monkeypatch.setattr(backend, "_AUTO_TRITON_OPS", set())
 
 
 def test_backends_are_the_three_documented_names():
@@ -88,3 +89,6 @@ def test_auto_on_cuda_picks_triton_only_for_registered_ops():
     backend.register_triton_op("kda", lambda *a, **kw: None)
     assert resolve_backend("auto", x, op="kda") == "triton"
     assert resolve_backend("auto", x, torch.randn(2), op="kda") == "torch"  # mixed devices stay on torch
+    backend.register_triton_op("kda", lambda *a, **kw: None, auto=False)  # explicit-only kernel
+    assert resolve_backend("auto", x, op="kda") == "torch"
+    assert resolve_backend("triton", x, op="kda") == "triton"

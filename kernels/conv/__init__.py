@@ -6,6 +6,11 @@ from ..backend import resolve_backend, triton_op
 from . import reference
 from .reference import ACTIVATIONS
 
+try:  # registers the Triton kernels; machines without Triton (CPU wheels of torch) keep the reference
+    from . import causal_conv  # noqa: F401
+except ImportError:
+    pass
+
 
 def _check_inputs(x, weight, state, activation, batch_dims, state_batch, name):
     if activation not in ACTIVATIONS:

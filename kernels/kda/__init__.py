@@ -5,6 +5,11 @@ import torch
 from ..backend import resolve_backend, triton_op
 from .reference import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
 
+try:  # registers the Triton kernel; machines without Triton (CPU wheels of torch) keep the reference
+    from . import chunk  # noqa: F401
+except ImportError:
+    pass
+
 
 def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
     if q.dim() != 4:

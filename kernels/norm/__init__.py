@@ -5,6 +5,11 @@ import torch
 from ..backend import resolve_backend, triton_op
 from . import reference
 
+try:  # registers the Triton kernel; machines without Triton (CPU wheels of torch) keep the reference
+    from . import gated_rms_norm_kernel  # noqa: F401
+except ImportError:
+    pass
+
 
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto"

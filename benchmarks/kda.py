@@ -1,0 +1,264 @@
+"""KDA on the GPU: our Triton kernels vs flash-linear-attention 0.6.0 ``chunk_kda`` (safe_gate on and off)
+vs the PyTorch reference; forward, forward+backward and the decode step, with the matmul and copy
+ceilings measured in the same run.
+
+    python benchmarks/kda.py OUTDIR [fast] [decode]     (kda_moe importable; fla 0.6.0 for its columns)
+
+``fast`` drops the slow columns (our softplus path, the torch reference); ``decode`` runs only the
+ceilings and the decode table. The full run takes about 8 minutes on an H200.
+
+Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json; prints the table last.
+Inputs are bf16, H heads of K = V = 128, gate / l2norm / beta sigmoid inside the kernels on every
+side (fla: ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel``).
+TFLOP/s uses the nominal chunked-algorithm count (per token and head: 4*64*K for A_kk/A_qk,
+2*64*(K+V) for W/U, 2*64*(K+V) for A_qk W / A_qk U, 6*K*V for the state pass; backward = 2x);
+GB/s uses the fewest bytes (inputs read once, outputs written once).
+"""
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kda_moe.kernels.kda import kimi_delta_attention
+from kda_moe.kernels.kda.chunk import chunk_kda_triton
+from kda_moe.kernels.kda.recurrent import kda_decode_step
+
+dev = "cuda"
+SHAPES = [(16, 4096, 16, 128), (4, 16384, 16, 128), (1, 65536, 16, 128), (1, 32768, 96, 128)]
+LB = -5.0
+
+
+def bench(fn, grad_to_none=None, rep=100):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median", grad_to_none=grad_to_none)
+
+
+def ceilings():
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    mm = 2 * 8192 ** 3 / bench(lambda: a @ b, rep=300) / 1e9
+    x = torch.empty(2 * 1024 ** 3, device=dev, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    cp = 2 * x.numel() / bench(lambda: y.copy_(x), rep=200) / 1e6
+    return mm, cp
+
+
+def make(B, T, H, K):
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
+    A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+    dt_bias = torch.randn(H * K, device=dev) * 0.1
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+def flops(B, T, H, K, V=128):
+    per = 4 * 64 * K + 4 * 64 * (K + V) + 6 * K * V
+    return B * T * H * per
+
+
+def min_bytes(B, T, H, K, V=128, bwd=False):
+    x = B * T * H * (3 * K + V + 1) * 2 + B * T * H * V * 2
+    return x * (2 if bwd else 1) + (B * T * H * (3 * K + V + 1) * 2 if bwd else 0)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def kernel_stats():
+    """Registers / spills / shared memory of our compiled kernels (the compiler's resource report)."""
+    from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, recurrent
+    stats = {}
+    for mod, name in [(chunk_fwd, "_intra_kernel"), (chunk_fwd, "_scan_kernel"), (chunk_bwd, "_scan_bwd_kernel"),
+                      (chunk_bwd, "_intra_bwd_kernel"), (recurrent, "_decode_kernel")]:
+        fn = getattr(mod, name)
+        try:
+            for dev_caches in fn.device_caches.values():
+                for i, kern in enumerate(dev_caches[0].values()):
+                    stats[f"{name}#{i}"] = dict(regs=kern.n_regs, spills=kern.n_spills,
+                                                shared=kern.metadata.shared, warps=kern.metadata.num_warps)
+        except Exception as e:  # noqa: BLE001
+            stats[name] = repr(e)[:200]
+    return stats
+
+
+def tune(res):
+    """Per-stage times of our pipeline at the first shape (bounded gate) and the launch knobs picked
+    from them (the picked knobs are then used for the whole table)."""
+    from kda_moe.kernels.kda.chunk_bwd import chunk_kda_bwd
+    from kda_moe.kernels.kda.chunk_fwd import CONFIG, chunk_kda_fwd
+    B, T, H, K = SHAPES[0]
+    q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
+    do = torch.randn_like(v)
+    fwd = lambda: chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None)  # noqa: E731
+    bwd = lambda: chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do, None)  # noqa: E731
+    t = {}
+    for w in (4, 8):
+        CONFIG["intra_warps"] = w
+        CONFIG["stop_after"] = "intra"
+        t[f"fwd_intra_w{w}"] = bench(fwd)
+        CONFIG["stop_after"] = None
+        t[f"fwd_w{w}"] = bench(fwd)
+    CONFIG["intra_warps"] = min((4, 8), key=lambda w: t[f"fwd_intra_w{w}"])
+    for bv in (32, 64):
+        CONFIG["scan_bv"] = bv
+        t[f"fwd_scanbv{bv}"] = bench(fwd)
+    CONFIG["scan_bv"] = None if t["fwd_scanbv64"] <= t["fwd_scanbv32"] else 32
+    for stop in ("bwd_recompute", "bwd_scan"):
+        CONFIG["stop_after"] = stop
+        t[stop] = bench(bwd)
+    CONFIG["stop_after"] = None
+    for w in (4, 8):
+        CONFIG["bwd_intra_warps"] = w
+        t[f"bwd_w{w}"] = bench(bwd)
+    CONFIG["bwd_intra_warps"] = min((4, 8), key=lambda w: t[f"bwd_w{w}"])
+    res["stage_ms"] = t
+    res["config"] = dict(CONFIG)
+    print("stage times (ms):", {n: round(x, 3) for n, x in t.items()}, "->", CONFIG, flush=True)
+    print("kernel stats:", kernel_stats(), flush=True)
+
+
+def main(out):
+    os.makedirs(out, exist_ok=True)
+    res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name()}
+    res["matmul_tflops"], res["copy_GBps"] = ceilings()
+    print(f"ceilings: bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s", flush=True)
+    decode_only = "decode" in sys.argv[2:]
+    if not decode_only:
+        tune(res)
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as e:  # noqa: BLE001
+        print("fla not importable:", e)
+        chunk_kda = fused_recurrent_kda = None
+
+    rows = []
+    for (B, T, H, K) in ([] if decode_only else SHAPES):
+        q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
+        ins = [q, k, v, g, beta]
+        row = dict(B=B, T=T, H=H, K=K)
+        for t in ins:
+            t.requires_grad_(True)
+        do = torch.randn_like(v)
+        variants = {
+            "ours_bounded": lambda: chunk_kda_triton(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=LB)[0],
+            "ours_softplus": lambda: chunk_kda_triton(q, k, v, g, beta, A_log, dt_bias)[0],
+        }
+        if chunk_kda is not None:
+            def fla(safe):
+                kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                          A_log=A_log, dt_bias=dt_bias, safe_gate=safe, lower_bound=LB if safe else None)
+                return lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
+            variants["fla_safe"] = fla(True)
+            variants["fla_nosafe"] = fla(False)
+        if "fast" in sys.argv[2:]:  # skip the slow columns (ours softplus, torch reference)
+            variants.pop("ours_softplus")
+        elif B * T * H <= 16 * 4096 * 16:
+            variants["torch_ref"] = lambda: kimi_delta_attention(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=LB,
+                                                                 backend="torch")[0]
+        for name, fn in variants.items():
+            try:
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"] = bench(fn, rep=60 if name == "torch_ref" else 120)
+                if name != "torch_ref" or (B, T, H) == SHAPES[0][:3]:
+                    def fb(fn=fn):
+                        fn().backward(do)
+                    row[f"{name}_fwdbwd_ms"] = bench(fb, grad_to_none=ins, rep=60 if name == "torch_ref" else 150)
+            except Exception:  # noqa: BLE001
+                row[f"{name}_error"] = traceback.format_exc(limit=3)[-600:]
+                print(name, row[f"{name}_error"], flush=True)
+            torch.cuda.empty_cache()
+        # correctness of ours (bf16) vs the fp32 torch reference, bounded gate
+        try:
+            with torch.no_grad():
+                o = chunk_kda_triton(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=LB)[0]
+                if B * T * H <= 4 * 16384 * 16:
+                    ro = kimi_delta_attention(*(t.float() for t in ins), A_log, dt_bias, gate_lower_bound=LB,
+                                              backend="torch")[0]
+                    row["rel_err_o_bounded"] = rel(o, ro)
+                    o = chunk_kda_triton(q, k, v, g, beta, A_log, dt_bias)[0]
+                    ro = kimi_delta_attention(*(t.float() for t in ins), A_log, dt_bias, backend="torch")[0]
+                    row["rel_err_o_softplus"] = rel(o, ro)
+                    del ro
+                row["finite"] = bool(torch.isfinite(o).all())
+        except Exception:  # noqa: BLE001
+            row["check_error"] = traceback.format_exc(limit=3)[-600:]
+        rows.append(row)
+        print(row, flush=True)
+        del q, k, v, g, beta, ins, do
+        torch.cuda.empty_cache()
+
+    # decode: one token for B sequences, fp32 state [B, 16, 128, 128] updated in place
+    H, K = 16, 128
+    dec = []
+    for B in [1, 64, 256]:
+        q, k, v, g = (torch.randn(B, H, K, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        beta = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(H * K, device=dev) * 0.1
+        state = torch.randn(B, H, K, K, device=dev)
+        d = dict(B=B)
+        sb = 2 * state.numel() * 4
+        f = lambda: kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=LB)  # noqa: E731
+        gph = torch.cuda.CUDAGraph()
+        f()
+        with torch.cuda.graph(gph):
+            f()
+        d["ours_ms"] = bench(f)
+        d["ours_graph_ms"] = bench(gph.replay)
+        if fused_recurrent_kda is not None:
+            qn = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype).unsqueeze(1)
+            kn = torch.nn.functional.normalize(k.float(), dim=-1).to(q.dtype).unsqueeze(1)
+            gg = -torch.rand(B, 1, H, K, device=dev)
+            bb = torch.rand(B, 1, H, device=dev, dtype=torch.bfloat16)
+            h0 = state.clone()
+            d["fla_ms"] = bench(lambda: fused_recurrent_kda(qn, kn, v.unsqueeze(1), gg, bb, initial_state=h0,
+                                                             output_final_state=True))
+        d["torch_ms"] = bench(lambda: kimi_delta_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
+                                                            g.unsqueeze(1), beta.unsqueeze(1), A_log, dt_bias,
+                                                            gate_lower_bound=LB, initial_state=state,
+                                                            output_final_state=True, backend="torch"))
+        d["ours_GBps"] = sb / d["ours_ms"] / 1e6
+        d["ours_graph_GBps"] = sb / d["ours_graph_ms"] / 1e6
+        d["frac_copy"] = max(d["ours_GBps"], d["ours_graph_GBps"]) / res["copy_GBps"]
+        dec.append(d)
+        print(d, flush=True)
+    res["rows"], res["decode"] = rows, dec
+
+    md = [f"GPU: {res['gpu']}; torch {res['torch']}, triton {res['triton']}. Ceilings in this run: bf16 matmul "
+          f"{res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s.", "",
+          "| B x T x H | pass | ours bounded | ours softplus | fla safe_gate | fla no safe | torch ref | "
+          "ours/fla-safe | ours TFLOP/s | ours GB/s | rel err (bnd / sp) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x: f"{x:.2f} ms" if isinstance(x, float) else "-"  # noqa: E731
+    for r in rows:
+        for p in ("fwd", "fwdbwd"):
+            ours, fs = r.get(f"ours_bounded_{p}_ms"), r.get(f"fla_safe_{p}_ms")
+            ratio = f"{fs / ours:.2f}x" if ours and fs else "-"
+            mult = 3 if p == "fwdbwd" else 1
+            tf = f"{mult * flops(r['B'], r['T'], r['H'], r['K']) / ours / 1e9:.0f}" if ours else "-"
+            gb = f"{min_bytes(r['B'], r['T'], r['H'], r['K'], bwd=p == 'fwdbwd') / ours / 1e6:.0f}" if ours else "-"
+            err = (f"{r.get('rel_err_o_bounded', float('nan')):.1e} / {r.get('rel_err_o_softplus', float('nan')):.1e}"
+                   if p == "fwd" else "")
+            md.append(f"| {r['B']}x{r['T']}x{r['H']} | {p} | {fmt(ours)} | {fmt(r.get(f'ours_softplus_{p}_ms'))} | "
+                      f"{fmt(fs)} | {fmt(r.get(f'fla_nosafe_{p}_ms'))} | {fmt(r.get(f'torch_ref_{p}_ms'))} | {ratio} | "
+                      f"{tf} | {gb} | {err} |")
+    md += ["", "| decode B (H=16, K=V=128, fp32 state) | ours | ours (CUDA graph) | fla fused_recurrent | torch ref | "
+           "ours state GB/s | of copy |", "|---|---|---|---|---|---|---|"]
+    for d in dec:
+        md.append(f"| {d['B']} | {d['ours_ms'] * 1e3:.1f} us | {d['ours_graph_ms'] * 1e3:.1f} us | "
+                  f"{d.get('fla_ms', float('nan')) * 1e3:.1f} us | {d['torch_ms'] * 1e3:.1f} us | "
+                  f"{max(d['ours_GBps'], d['ours_graph_GBps']):.0f} | {100 * d['frac_copy']:.0f}% |")
+    text = "\n".join(md)
+    open(os.path.join(out, "kda_bench.md"), "w").write(text + "\n")
+    json.dump(res, open(os.path.join(out, "kda_bench.json"), "w"), indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")

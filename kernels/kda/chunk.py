@@ -1,0 +1,125 @@
+"""Triton KDA: public entry point, autograd and ``torch.library`` custom ops.
+
+``chunk_kda_triton`` computes the same function as ``kimi_delta_attention(..., backend="torch")``
+(see ``kernels/kda/__init__.py``) with every pre-processing step fused into the kernels:
+
+Args:
+    q, k: ``[B, T, H, K]`` after the short conv + SiLU (NOT L2-normalised); K a power of two >= 16.
+    v: ``[B, T, H, V]``.
+    g: ``[B, T, H, K]`` or ``[B, T, H*K]`` raw gate logits (dt_bias not added).
+    beta: ``[B, T, H]`` logits.
+    A_log: ``[H]``; dt_bias: ``[H*K]`` (fp32).
+    gate_lower_bound: None (``-exp(A_log) softplus(z)``) or a negative float
+        (``lb * sigmoid(exp(A_log) z)``; with ``|lb| <= 5.9`` every intra-chunk tile is a GEMM).
+    scale: query scale, default ``K ** -0.5``.
+    initial_state: ``[N, H, K, V]`` fp32 (N = B, or the number of sequences with cu_seqlens).
+    output_final_state: also return the fp32 final state.
+    cu_seqlens: ``[N+1]`` offsets of packed sequences (B == 1); the state restarts per sequence.
+
+Returns ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None)``. The state is
+always fp32; inputs may be bf16, fp16 or fp32.
+"""
+
+from typing import Optional
+
+import torch
+
+from .chunk_bwd import chunk_kda_bwd
+from .chunk_fwd import chunk_kda_fwd
+from ..backend import register_triton_op
+
+_EMPTY = (0,)
+
+
+def _num_states(q, cu_seqlens):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@torch.library.custom_op("kda_moe::kda_chunk_fwd", mutates_args=())
+def kda_chunk_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float, output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state,
+                          output_final_state, cu_seqlens)
+    return o, (ht if ht is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+
+
+@kda_chunk_fwd_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state):
+    B, T, H, K = q.shape
+    o = v.new_empty(v.shape)
+    if output_final_state:
+        ht = q.new_empty((_num_states(q, cu_seqlens), H, K, v.shape[-1]), dtype=torch.float32)
+    else:
+        ht = q.new_empty(_EMPTY, dtype=torch.float32)
+    return o, ht
+
+
+@torch.library.custom_op("kda_moe::kda_chunk_bwd", mutates_args=())
+def kda_chunk_bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float,
+    do: torch.Tensor, dht: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dg, db, dA, ddt, dh0 = chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale,
+                                                    initial_state, cu_seqlens, do, dht)
+    return dq, dk, dv, dg, db, dA, ddt, (dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+
+
+@kda_chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, do, dht):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
+        _EMPTY, dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.gate_lower_bound = gate_lower_bound
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    if not ctx.output_final_state:
+        dht = None
+    dq, dk, dv, dg, db, dA, ddt, dh0 = kda_chunk_bwd_op(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ctx.gate_lower_bound, ctx.scale,
+        do.contiguous(), dht.contiguous() if dht is not None else None)
+    return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None), None, None, None, None
+
+
+torch.library.register_autograd("kda_moe::kda_chunk_fwd", _backward, setup_context=_setup_context)
+
+
+def chunk_kda_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, *, gate_lower_bound: float | None = None,
+    scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+):
+    """Triton KDA (chunked, chunk 64); same arguments and result as the public ``kimi_delta_attention``."""
+    B, T, H, K = q.shape
+    if K & (K - 1) or K < 16 or v.shape[-1] & (v.shape[-1] - 1) or v.shape[-1] < 16:
+        raise ValueError(f"the Triton KDA kernels need K and V powers of two >= 16, got K={K}, V={v.shape[-1]}.")
+    scale = K ** -0.5 if scale is None else float(scale)
+    lb = None if gate_lower_bound is None else float(gate_lower_bound)
+    g4 = g.reshape(B, T, H, K)
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    o, ht = kda_chunk_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), g4.contiguous(), beta.contiguous(),
+                             A_log.contiguous(), dt_bias.contiguous(), h0, cu_seqlens, lb, scale,
+                             bool(output_final_state))
+    return o, (ht if output_final_state else None)
+
+
+# Explicit kernel_backend="triton" only: the bf16 backward hits an illegal memory access at some model shapes
+# (seen at B=2, T=130, H=2, K=V=64 on the H200; fp32 and the bf16 forward are fine), so "auto" keeps the reference.
+register_triton_op("kda", chunk_kda_triton, auto=False)

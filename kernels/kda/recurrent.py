@@ -1,0 +1,80 @@
+"""KDA decoding: one token for a batch of sequences, state updated in place.
+
+``kda_decode_step`` takes the same raw inputs as ``kimi_delta_attention`` for one token
+(q, k, g: ``[B, H, K]`` or ``[B, 1, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``; unnormalised q/k,
+raw gate logits and beta logits) and the fp32 state ``[B, H, K, V]``, which it overwrites in place:
+no allocation besides the output, fixed addresses, one launch, so a CUDA graph can capture it.
+Per head: ``S <- S * exp(g); S <- S + beta k (v - S^T k)^T; o = S^T (scale q)``.
+
+The kernel is bound by the state traffic (read + write ``B*H*K*V*4`` bytes); each program owns a
+``[K, BV]`` slab of one head's state.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_fwd import _gate
+
+
+@triton.jit
+def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_h = i_bh % H
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    ps = (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
+    S = tl.load(state + ps)
+    bq = tl.load(q + i_bh * K + o_k).to(tl.float32)
+    bk = tl.load(k + i_bh * K + o_k).to(tl.float32)
+    bg = tl.load(g + i_bh * K + o_k).to(tl.float32)
+    bv = tl.load(v + i_bh * V + o_v).to(tl.float32)
+    bb = tl.sigmoid(tl.load(beta + i_bh).to(tl.float32))
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
+    bq = bq * (tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale)
+    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
+    S = S * tl.exp(_gate(bg, bias, a, lb, BOUNDED))[:, None]
+    delta = bb * (bv - tl.sum(S * bk[:, None], 0))
+    S = S + bk[:, None] * delta[None, :]
+    tl.store(state + ps, S)
+    tl.store(o + i_bh * V + o_v, tl.sum(S * bq[:, None], 0).to(o.dtype.element_ty))
+
+
+@torch.library.custom_op("kda_moe::kda_decode_step", mutates_args=("state",))
+def kda_decode_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                       gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
+    B, H, K, V = state.shape
+    o = torch.empty(B, H, V, device=v.device, dtype=v.dtype)
+    BV = min(V, 32)
+    _decode_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, beta, A_log, dt_bias, state, o, scale,
+        float(gate_lower_bound) if gate_lower_bound is not None else 0.0,
+        H=H, K=K, V=V, BV=BV, BOUNDED=gate_lower_bound is not None, num_warps=4)
+    return o
+
+
+@kda_decode_step_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound, scale):
+    B, H, K, V = state.shape
+    return v.new_empty((B, H, V))
+
+
+def kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, *, gate_lower_bound=None, scale=None):
+    """One KDA decoding step on raw inputs; ``state`` (fp32 ``[B, H, K, V]``, contiguous) is updated
+    in place. Returns o ``[B, H, V]`` (``[B, 1, H, V]`` if q was ``[B, 1, H, K]``) in v.dtype."""
+    squeeze = q.dim() == 4
+    B, H, K, V = state.shape
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("kda_decode_step needs a contiguous fp32 state [B, H, K, V] (it is updated in place).")
+    q, k, g = (t.reshape(B, H, K).contiguous() for t in (q, k, g))
+    v = v.reshape(B, H, V).contiguous()
+    beta = beta.reshape(B, H).contiguous()
+    scale = K ** -0.5 if scale is None else float(scale)
+    lb = None if gate_lower_bound is None else float(gate_lower_bound)
+    o = kda_decode_step_op(q, k, v, g, beta, A_log, dt_bias, state, lb, scale)
+    return o.unsqueeze(1) if squeeze else o

@@ -1,0 +1,177 @@
+"""The Triton kernels under the Triton interpreter (CPU, ``TRITON_INTERPRET=1``) against the torch reference.
+
+Tiny shapes, fp32 / fp16 inputs only: under the interpreter ``tl.dot`` on bf16 operands is wrong
+(SPEC.md); bf16 numerics are checked on the GPU (tests/test_triton_gpu.py). The reference runs in
+fp64, so fp32 kernels must agree to ~1e-5 relative.
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it on machines without CUDA
+    pytest.skip("the Triton interpreter is on only without CUDA; tests/test_triton_gpu.py runs there", allow_module_level=True)
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be interpreted")
+
+from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
+from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
+from kda_moe.kernels.kda import kimi_delta_attention  # noqa: E402
+from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
+from kda_moe.kernels.kda.recurrent import kda_decode_step  # noqa: E402
+from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
+from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
+from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def kda_inputs(B, T, H, K, V, dtype, N=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K), beta=r(B, T, H))
+    x = {n: t.to(dtype) for n, t in x.items()}
+    x["A_log"] = torch.log(torch.rand(H, generator=gen) * 15 + 1)
+    x["dt_bias"] = r(H * K) * 0.1
+    x["h0"] = r(N or B, H, K, V)
+    return x
+
+
+def kda_forward_backward(x, lb, cu_seqlens, use_triton, with_state=True):
+    leaves = {n: t.detach().clone().double().requires_grad_() if not use_triton else t.detach().clone().requires_grad_()
+              for n, t in x.items()}
+    args = [leaves[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    kw = dict(gate_lower_bound=lb, initial_state=leaves["h0"] if with_state else None, output_final_state=True,
+              cu_seqlens=cu_seqlens)
+    o, ht = chunk_kda_triton(*args, **kw) if use_triton else kimi_delta_attention(*args, **kw, backend="torch")
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen).to(ht.dtype)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    return o, ht, {n: t.grad for n, t in leaves.items() if t.grad is not None}
+
+
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen):
+    if varlen:
+        cu = torch.tensor([0, 30, 30, 130, 150])
+        x = kda_inputs(1, 150, 2, 16, 32, torch.float32, N=4)
+    else:
+        cu = None
+        x = kda_inputs(2, 80, 2, 32, 16, torch.float32)
+    o, ht, grads = kda_forward_backward(x, lb, cu, True)
+    ro, rht, rgrads = kda_forward_backward(x, lb, cu, False)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    assert set(grads) == set(rgrads) == set(x)
+    for n in grads:
+        tol = 2e-3 if (lb is None and n in ("g", "A_log", "dt_bias")) else 1e-4  # softplus cancellation in fp32
+        assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
+
+
+def test_chunk_kda_fp16_inputs_and_flat_gate_without_state():
+    x = kda_inputs(1, 70, 2, 16, 16, torch.float16)
+    B, T, H, K = x["q"].shape
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    args[3] = args[3].reshape(B, T, H * K)
+    o, ht = chunk_kda_triton(*args, gate_lower_bound=-3.0, output_final_state=False)
+    ro, _ = kimi_delta_attention(*[a.double() for a in args], gate_lower_bound=-3.0, backend="torch")
+    assert ht is None and o.dtype == torch.float16
+    assert rel(o, ro) < 2e-3
+
+
+def test_bounded_gate_outside_safe_range_uses_the_safe_diagonal_path():
+    x = kda_inputs(1, 64, 1, 16, 16, torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    o, _ = chunk_kda_triton(*args, gate_lower_bound=-20.0)
+    ro, _ = kimi_delta_attention(*[a.double() for a in args], gate_lower_bound=-20.0, backend="torch")
+    assert torch.isfinite(o).all() and rel(o, ro) < 1e-5
+
+
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+def test_decode_step_updates_state_in_place_like_reference(lb):
+    B, H, K, V = 3, 2, 32, 64
+    x = kda_inputs(B, 1, H, K, V, torch.float32)
+    state = x["h0"].clone()
+    ptr = state.data_ptr()
+    o = kda_decode_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
+                        x["dt_bias"], state, gate_lower_bound=lb)
+    g = kda_gate(x["g"][:, 0], x["A_log"], x["dt_bias"], lb)
+    ro, rs = kda_step(l2norm(x["q"][:, 0]), l2norm(x["k"][:, 0]), x["v"][:, 0], g, torch.sigmoid(x["beta"][:, 0]),
+                      K ** -0.5, x["h0"])
+    assert state.data_ptr() == ptr
+    assert rel(o, ro) < 1e-5 and rel(state, rs) < 1e-5
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_short_conv_matches_reference_with_states_and_gradients(varlen, activation):
+    C, W = 40, 4
+    if varlen:
+        B, T, cu = 1, 90, torch.tensor([0, 2, 2, 70, 90])
+    else:
+        B, T, cu = 2, 70, None
+    N = B if cu is None else 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, C, generator=gen)
+    w = torch.randn(C, W, generator=gen)
+    h0 = torch.randn(N, C, W - 1, generator=gen)
+    dy = torch.randn(B, T, C, generator=gen)
+
+    def run(fn, *ins):
+        ins = [t.clone().requires_grad_() for t in ins]
+        y, final = fn(ins[0], ins[1], initial_state=ins[2], output_final_state=True, cu_seqlens=cu,
+                      activation=activation)
+        (y * dy).sum().backward()
+        return y, final, [t.grad for t in ins]
+
+    y, f, gr = run(short_conv_triton, x, w, h0)
+    ry, rf, rgr = run(conv_ref.short_conv, x.double(), w.double(), h0.double())
+    assert rel(y, ry) < 1e-6 and rel(f, rf) < 1e-7
+    for a, b in zip(gr, rgr):
+        assert rel(a, b) < 1e-5
+
+
+def test_short_conv_step_matches_reference_in_place():
+    B, C, W = 3, 300, 4
+    gen = torch.Generator().manual_seed(0)
+    x, w, s = torch.randn(B, C, generator=gen), torch.randn(C, W, generator=gen), torch.randn(B, C, W - 1, generator=gen)
+    s1, s2 = s.clone(), s.clone()
+    y = short_conv_step_triton(x, w, s1)
+    ry = conv_ref.short_conv_step(x, w, s2)
+    assert rel(y, ry) < 1e-6 and torch.equal(s1, s2)
+
+
+def test_gated_rms_norm_matches_reference_with_gradients():
+    gen = torch.Generator().manual_seed(0)
+    x, gate, dy = (torch.randn(5, 7, 96, generator=gen) for _ in range(3))
+    w = torch.randn(96, generator=gen)
+
+    def run(fn, *ins):
+        ins = [t.clone().requires_grad_() for t in ins]
+        y = fn(*ins, 1e-5)
+        (y * dy).sum().backward()
+        return y, [t.grad for t in ins]
+
+    y, gr = run(gated_rms_norm_triton, x, gate, w)
+    ry, rgr = run(norm_ref.gated_rms_norm, x.double(), gate.double(), w.double())
+    assert rel(y, ry) < 1e-6
+    for a, b in zip(gr, rgr):
+        assert rel(a, b) < 1e-5
+
+
+def test_custom_ops_pass_opcheck():
+    from kda_moe.kernels.kda.chunk import kda_chunk_fwd_op
+    from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_fwd_op
+
+    gen = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen)
+    w = torch.randn(32, generator=gen, requires_grad=True)
+    torch.library.opcheck(gated_rms_norm_fwd_op, (x.requires_grad_(), gate, w, 1e-5),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    k = kda_inputs(1, 20, 1, 16, 16, torch.float32)
+    args = (k["q"], k["k"], k["v"], k["g"], k["beta"], k["A_log"], k["dt_bias"], k["h0"], None, -5.0, 0.25, True)
+    torch.library.opcheck(kda_chunk_fwd_op, args, test_utils=("test_schema", "test_faketensor"))
