@@ -4,15 +4,51 @@ Importing the package registers every class with the matching ``Auto*`` factory,
 ``AutoConfig`` / ``AutoModelForCausalLM`` / ... resolve ``model_type="kda_moe_text"`` after ``import kda_moe``.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+)
 
-from .configuration import KdaMoeTextConfig
-from .modeling import KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
+# transformers 5.17 exports a torchvision-only placeholder as `transformers.AutoImageProcessor`; the class itself works.
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+from .configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
+from .modeling import (
+    KdaMoeForCausalLM,
+    KdaMoeForConditionalGeneration,
+    KdaMoeModel,
+    KdaMoePreTrainedModel,
+    KdaMoeTextModel,
+    KdaMoeVisionModel,
+)
+from .processing import KdaMoeImageProcessor, KdaMoeProcessor
 
 __version__ = "0.1.0"
 
 AutoConfig.register(KdaMoeTextConfig.model_type, KdaMoeTextConfig, exist_ok=True)
 AutoModel.register(KdaMoeTextConfig, KdaMoeTextModel, exist_ok=True)
 AutoModelForCausalLM.register(KdaMoeTextConfig, KdaMoeForCausalLM, exist_ok=True)
+AutoConfig.register(KdaMoeVisionConfig.model_type, KdaMoeVisionConfig, exist_ok=True)
+AutoConfig.register(KdaMoeConfig.model_type, KdaMoeConfig, exist_ok=True)
+AutoModel.register(KdaMoeVisionConfig, KdaMoeVisionModel, exist_ok=True)
+AutoModel.register(KdaMoeConfig, KdaMoeModel, exist_ok=True)
+AutoModelForImageTextToText.register(KdaMoeConfig, KdaMoeForConditionalGeneration, exist_ok=True)
+AutoImageProcessor.register(KdaMoeConfig, slow_image_processor_class=KdaMoeImageProcessor, exist_ok=True)
+AutoProcessor.register(KdaMoeConfig, KdaMoeProcessor, exist_ok=True)
 
-__all__ = ["KdaMoeTextConfig", "KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]
+__all__ = [
+    "KdaMoeTextConfig",
+    "KdaMoePreTrainedModel",
+    "KdaMoeTextModel",
+    "KdaMoeForCausalLM",
+    "KdaMoeVisionConfig",
+    "KdaMoeConfig",
+    "KdaMoeVisionModel",
+    "KdaMoeModel",
+    "KdaMoeForConditionalGeneration",
+    "KdaMoeImageProcessor",
+    "KdaMoeProcessor",
+]

@@ -1,3 +1,4 @@
 from .configuration_kda_moe import KdaMoeTextConfig
+from .configuration_kda_moe_vision import KdaMoeConfig, KdaMoeVisionConfig
 
-__all__ = ["KdaMoeTextConfig"]
+__all__ = ["KdaMoeTextConfig", "KdaMoeVisionConfig", "KdaMoeConfig"]

@@ -1,5 +1,22 @@
 """Modeling: the text decoder (`modeling_kda_moe.py`) and checkpoint-layout conversions (`conversion.py`)."""
 
+from . import conversion  # noqa: F401  (registers the Kimi Linear checkpoint conversions for our model_type)
 from .modeling_kda_moe import KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
+from .modeling_kda_moe_vision import (
+    KdaMoeForConditionalGeneration,
+    KdaMoeModel,
+    KdaMoeMultimodalPreTrainedModel,
+    KdaMoeVisionModel,
+    KdaMoeVisionPreTrainedModel,
+)
 
-__all__ = ["KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]
+__all__ = [
+    "KdaMoePreTrainedModel",
+    "KdaMoeTextModel",
+    "KdaMoeForCausalLM",
+    "KdaMoeVisionPreTrainedModel",
+    "KdaMoeVisionModel",
+    "KdaMoeMultimodalPreTrainedModel",
+    "KdaMoeModel",
+    "KdaMoeForConditionalGeneration",
+]

@@ -15,12 +15,12 @@ and merges are transformers' weight-conversion machinery, registered for our `mo
 
 Per decoder layer, published / native name -> ours:
 
-    self_attn.forget_gate.X                       -> self_attn.X                  (X = f_a_proj, f_b_proj, dt_bias, A_log)
-    block_sparse_moe.                             -> mlp.
-    self_attn.{q,k,v}_conv1d.weight               -> self_attn.conv1d.weight      concatenated q | k | v: [3*H*K, 1, W]
-    mlp.experts.{j}.w1.weight, .w3.weight         -> mlp.experts.gate_up_proj     [E, 2I, d] (gate rows, then up rows)
-    mlp.experts.{j}.w2.weight                     -> mlp.experts.down_proj        [E, d, I]
-    self_attn.A_log [1, 1, H, 1]                  -> self_attn.A_log [H]
+    self_attn.forget_gate.X                 -> self_attn.X               (X: f_a_proj, f_b_proj, dt_bias, A_log)
+    block_sparse_moe.                       -> mlp.
+    self_attn.{q,k,v}_conv1d.weight         -> self_attn.conv1d.weight   q | k | v concatenated: [3*H*K, 1, W]
+    mlp.experts.{j}.w1.weight, .w3.weight   -> mlp.experts.gate_up_proj  [E, 2I, d] (gate rows, then up rows)
+    mlp.experts.{j}.w2.weight               -> mlp.experts.down_proj     [E, d, I]
+    self_attn.A_log [1, 1, H, 1]            -> self_attn.A_log [H]
 
 The config side (`linear_attn_config`, `first_k_dense_replace`, `num_experts_per_token`, ...) is handled by
 `KdaMoeTextConfig._from_kimi_linear_keys`.
@@ -45,11 +45,15 @@ from ..configuration import KdaMoeTextConfig
 
 
 class FlattenHeads(ConversionOps):
-    """`A_log` stored broadcast-ready as `[1, 1, H, 1]` (Kimi Linear) -> our `[H]`; a tensor already `[H]` is unchanged."""
+    """`A_log` stored broadcast-ready as `[1, 1, H, 1]` (Kimi Linear) -> our `[H]`; an `[H]` tensor stays as it is."""
 
     @torch.no_grad()
     def convert(
-        self, input_dict: dict[str, list[torch.Tensor]], source_patterns: list[str], target_patterns: list[str], **kwargs
+        self,
+        input_dict: dict[str, list[torch.Tensor]],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs,
     ) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         tensor = tensors[0] if isinstance(tensors, list) else tensors
@@ -61,7 +65,7 @@ class _KeepOurLayoutOnSave(WeightRenaming):
 
     __slots__ = ()
 
-    def __init__(self):
+    def __init__(self, *args, **kwargs):  # also when transformers copies it (`copy(source_patterns, target_patterns)`)
         super().__init__(source_patterns="kda_moe_keeps_its_layout", target_patterns="kda_moe_keeps_its_layout")
 
     def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
@@ -106,7 +110,11 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
             target_patterns="mlp.experts.down_proj",
             operations=[MergeModulelist(dim=0)],
         ),
-        LoadOnlyConverter(source_patterns="self_attn.A_log", target_patterns="self_attn.A_log", operations=[FlattenHeads()]),
+        LoadOnlyConverter(
+            source_patterns="self_attn.A_log",
+            target_patterns="self_attn.A_log",
+            operations=[FlattenHeads()],
+        ),
     ]
 
 

@@ -794,7 +794,7 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)  # zero pseudo-queries: every AttnRes mixture starts as the plain average
             return
         super()._init_weights(module)
-        std = self.config.initializer_range
+        std = self.config.get_text_config().initializer_range
         if isinstance(module, KdaMoeDeltaAttention):
             # Decay rates exp(A_log) in [1, 16]; dt_bias = inverse softplus of dt ~ logU(1e-3, 1e-1), as in Mamba/FLA.
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
@@ -818,6 +818,9 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):
             for module, source in REMOTE_CODE_MODULES.items():
                 (Path(save_directory) / f"{module}.py").write_text(source)
+            from ..model_cards import write_model_card  # README.md: the model card (kept if someone else wrote it)
+
+            write_model_card(self, save_directory)
 
     def router_load_statistics(self) -> dict[str, dict[str, float]]:
         """Per MoE layer load statistics of the last forward (max/mean tokens per expert, dead experts)."""

@@ -1,1 +1,7 @@
-"""Placeholder package; filled by later issues."""
+"""Processing: `KdaMoeImageProcessor`, `KdaMoeProcessor` (with `chat_template.jinja`) and the shipped tokenizer
+(`tokenizer/`, trained by `train_tokenizer.py` on the bundled `tokenizer/corpus.txt`)."""
+
+from .image_processing_kda_moe import KdaMoeImageProcessor
+from .processing_kda_moe import CHAT_TEMPLATE_FILE, TOKENIZER_DIR, KdaMoeProcessor
+
+__all__ = ["KdaMoeImageProcessor", "KdaMoeProcessor", "TOKENIZER_DIR", "CHAT_TEMPLATE_FILE"]

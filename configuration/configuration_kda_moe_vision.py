@@ -1,0 +1,231 @@
+"""Configuration of the kda-moe vision tower (`KdaMoeVisionConfig`) and of the multimodal model (`KdaMoeConfig`).
+
+Every default and every validation of the vision tower, the projector and the image placeholder lives here;
+modeling code trusts its config (STYLE.md). The defaults are a small tower that runs on a laptop CPU;
+`KdaMoeVisionConfig.moonvit()` builds the MoonViT-sized tower (SPEC, "Vision").
+
+`KdaMoeConfig` is a composite config (`model_type="kda_moe"`) with two sub-configs, `text_config`
+(`KdaMoeTextConfig`) and `vision_config` (`KdaMoeVisionConfig`). transformers 5.17 reads the class attribute
+`sub_configs`, 5.20+ `sub_configs_defaults` (SPEC, "transformers versions"): both are declared, and the sub-configs
+are built from dicts / `None` here, before the parent `__post_init__`, so both versions see config objects.
+"""
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+from ..compat import ConfigValidationError, finish_strict_config
+from .configuration_kda_moe import KdaMoeTextConfig
+
+VISION_HIDDEN_ACTS = ("gelu_pytorch_tanh",)
+PROJECTOR_HIDDEN_ACTS = ("gelu",)
+# Id of `<|media_pad|>` in the tokenizer shipped in `kda_moe/processing/tokenizer/` (special tokens come first).
+BUNDLED_IMAGE_TOKEN_ID = 6
+
+
+def _invalid(field: str, value: Any, allowed: str) -> ConfigValidationError:
+    return ConfigValidationError(f"`{field}`={value!r} is invalid: {allowed}.")
+
+
+@finish_strict_config
+@strict
+class KdaMoeVisionConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`KdaMoeVisionModel`]: a native-resolution ViT (MoonViT-V2 style).
+
+    An image is cut into `patch_size` x `patch_size` patches on a grid whose sides are multiples of
+    `spatial_merge_size`; each patch is embedded by a bias-free linear map, a learnable
+    `pos_emb_height` x `pos_emb_width` position table is bicubically interpolated to the grid and added, and 2D RoPE
+    (first half of every head rotated by the row, second half by the column) is applied inside attention. Several
+    images are packed into one sequence with block-diagonal attention. Blocks: pre-norm RMSNorm, bias-free attention
+    and GELU-tanh MLP. At the end, `spatial_merge_size` x `spatial_merge_size` neighbours are concatenated (the patch
+    merger), giving `spatial_merge_size**2 * hidden_size` features per merged patch.
+
+    Args:
+        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads: the usual sizes
+            (`head_dim = hidden_size // num_attention_heads` must be a multiple of 4 for 2D RoPE).
+        num_channels, patch_size: input channels and patch side in pixels.
+        spatial_merge_size: side of the patch merger's window (2 = 2x2 neighbours -> one text token).
+        pos_emb_height, pos_emb_width: size of the learnable position table (interpolated to every grid).
+        rope_theta: base of the 2D rotary frequencies.
+        hidden_act: MLP activation, `"gelu_pytorch_tanh"`.
+        rms_norm_eps, initializer_range, attention_dropout: as in the text config.
+
+    Example:
+
+    ```python
+    >>> from kda_moe import KdaMoeVisionConfig
+    >>> config = KdaMoeVisionConfig()  # tiny
+    >>> moonvit = KdaMoeVisionConfig.moonvit()
+    ```
+    """
+
+    model_type = "kda_moe_vision"
+    base_config_key = "vision_config"
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    pos_emb_height: int = 16
+    pos_emb_width: int = 16
+    rope_theta: float | int = 10000.0
+    hidden_act: str = "gelu_pytorch_tanh"
+    rms_norm_eps: float | int = 1e-5
+    initializer_range: float | int = 0.02
+    attention_dropout: float | int = 0.0
+
+    @classmethod
+    def moonvit(cls, **overrides) -> "KdaMoeVisionConfig":
+        """The MoonViT-sized tower of Kimi VL / K2.5 (hidden 1152, 27 layers, 16 heads, MLP 4304, 64x64 table)."""
+        values = {
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "pos_emb_height": 64,
+            "pos_emb_width": 64,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    # ----- validation (run by `@strict` after `__post_init__`)
+
+    def validate_sizes(self):
+        positive = (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+            "patch_size", "spatial_merge_size", "pos_emb_height", "pos_emb_width",
+        )  # fmt: skip
+        for field in positive:
+            if getattr(self, field) < 1:
+                raise _invalid(field, getattr(self, field), "must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise _invalid(
+                "num_attention_heads", self.num_attention_heads, f"must divide hidden_size={self.hidden_size}"
+            )
+        if self.head_dim % 4:
+            raise _invalid(
+                "hidden_size", self.hidden_size,
+                f"gives head_dim={self.head_dim}; 2D RoPE needs head_dim = hidden_size / num_attention_heads to be a "
+                "multiple of 4 (half of each head per image axis, rotated in pairs)",
+            )  # fmt: skip
+
+    def validate_scalars(self):
+        if self.hidden_act not in VISION_HIDDEN_ACTS:
+            raise _invalid("hidden_act", self.hidden_act, f"must be one of {VISION_HIDDEN_ACTS}")
+        if not self.rope_theta > 0:
+            raise _invalid("rope_theta", self.rope_theta, "must be > 0")
+        if not self.rms_norm_eps > 0:
+            raise _invalid("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if not self.initializer_range >= 0:
+            raise _invalid("initializer_range", self.initializer_range, "must be >= 0")
+        if not 0 <= self.attention_dropout < 1:
+            raise _invalid("attention_dropout", self.attention_dropout, "must be in [0, 1)")
+
+
+SUB_CONFIGS = {"text_config": KdaMoeTextConfig, "vision_config": KdaMoeVisionConfig}
+
+
+@finish_strict_config
+@strict
+class KdaMoeConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`KdaMoeModel`] / [`KdaMoeForConditionalGeneration`]: vision tower + projector + text decoder.
+
+    Args:
+        text_config (`KdaMoeTextConfig` or `dict`, *optional*): the decoder; default `KdaMoeTextConfig()`.
+        vision_config (`KdaMoeVisionConfig` or `dict`, *optional*): the tower; default `KdaMoeVisionConfig()`.
+        image_token_id (`int`): id of `<|media_pad|>`; each merged patch replaces one such token. The default is
+            its id in the tokenizer shipped with the package.
+        projector_hidden_size (`int`, *optional*): width of the projector's hidden layer
+            (`Linear(spatial_merge_size**2 * vision hidden, projector_hidden_size) -> GELU -> Linear(-> text hidden)
+            -> RMSNorm`); default = the merged width `spatial_merge_size**2 * vision_config.hidden_size`.
+        projector_hidden_act: `"gelu"`.
+        projector_rms_norm_eps: eps of the projector's final RMSNorm.
+        tie_word_embeddings (`bool`, *optional*): tie `lm_head` to the input embeddings; default = the text config's.
+
+    Example:
+
+    ```python
+    >>> from kda_moe import KdaMoeConfig, KdaMoeForConditionalGeneration
+    >>> config = KdaMoeConfig(text_config={"hidden_size": 128}, vision_config={"num_hidden_layers": 2})
+    >>> model = KdaMoeForConditionalGeneration(config)
+    ```
+    """
+
+    model_type = "kda_moe"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    sub_configs = SUB_CONFIGS  # transformers 5.17
+    sub_configs_defaults = SUB_CONFIGS  # transformers >= 5.20 (turned into `SubConfigSpec`s by the parent class)
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    image_token_id: int = BUNDLED_IMAGE_TOKEN_ID
+    projector_hidden_size: int | None = None
+    projector_hidden_act: str = "gelu"
+    projector_rms_norm_eps: float | int = 1e-5
+    tie_word_embeddings: bool | None = None
+
+    def __post_init__(self, **kwargs):
+        for key, config_class in SUB_CONFIGS.items():
+            value = getattr(self, key)
+            if value is None:
+                value = config_class()
+            elif isinstance(value, dict):
+                value = dict(value)
+                model_type = value.pop("model_type", config_class.model_type)
+                if model_type != config_class.model_type:
+                    raise _invalid(
+                        f"{key}.model_type", model_type, f"a kda-moe `{key}` has model_type {config_class.model_type!r}"
+                    )
+                value = config_class(**value)
+            elif not isinstance(value, config_class):
+                raise _invalid(key, type(value).__name__, f"must be a dict, None or a {config_class.__name__}")
+            setattr(self, key, value)
+        if self.tie_word_embeddings is None:
+            self.tie_word_embeddings = self.text_config.tie_word_embeddings
+        if self.projector_hidden_size is None:
+            self.projector_hidden_size = self.merged_hidden_size
+        super().__post_init__(**kwargs)
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """Width of one merged patch: `spatial_merge_size**2` concatenated vision features."""
+        return self.vision_config.spatial_merge_size**2 * self.vision_config.hidden_size
+
+    # ----- validation
+
+    def validate_image_token(self):
+        vocab_size = self.text_config.vocab_size
+        if not 0 <= self.image_token_id < vocab_size:
+            raise _invalid(
+                "image_token_id", self.image_token_id,
+                f"must be a token id in [0, text_config.vocab_size={vocab_size}) (the id of `<|media_pad|>` in the "
+                "tokenizer); raise text_config.vocab_size or set image_token_id to the tokenizer's id",
+            )  # fmt: skip
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            ids = getattr(self.text_config, name)
+            ids = ids if isinstance(ids, list) else [ids]
+            if self.image_token_id in ids:
+                raise _invalid(
+                    "image_token_id", self.image_token_id, f"collides with text_config.{name}; use a distinct token id"
+                )
+
+    def validate_projector(self):
+        if self.projector_hidden_size < 1:
+            raise _invalid("projector_hidden_size", self.projector_hidden_size, "must be None or >= 1")
+        if self.projector_hidden_act not in PROJECTOR_HIDDEN_ACTS:
+            raise _invalid("projector_hidden_act", self.projector_hidden_act, f"must be one of {PROJECTOR_HIDDEN_ACTS}")
+        if not self.projector_rms_norm_eps > 0:
+            raise _invalid("projector_rms_norm_eps", self.projector_rms_norm_eps, "must be > 0")
+
+
+__all__ = ["KdaMoeVisionConfig", "KdaMoeConfig"]
