@@ -10,22 +10,16 @@ modeling code trusts its config (STYLE.md). The defaults are a small tower that 
 are built from dicts / `None` here, before the parent `__post_init__`, so both versions see config objects.
 """
 
-from typing import Any
-
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..compat import ConfigValidationError, finish_strict_config
-from .configuration_kda_moe import KdaMoeTextConfig
+from ..compat import finish_strict_config
+from .configuration_kda_moe import KdaMoeTextConfig, _invalid
 
 VISION_HIDDEN_ACTS = ("gelu_pytorch_tanh",)
 PROJECTOR_HIDDEN_ACTS = ("gelu",)
 # Id of `<|media_pad|>` in the tokenizer shipped in `kda_moe/processing/tokenizer/` (special tokens come first).
 BUNDLED_IMAGE_TOKEN_ID = 6
-
-
-def _invalid(field: str, value: Any, allowed: str) -> ConfigValidationError:
-    return ConfigValidationError(f"`{field}`={value!r} is invalid: {allowed}.")
 
 
 @finish_strict_config

@@ -34,6 +34,7 @@ from ..compat import (
     accepts_legacy_cache_name,
     linear_attention_states,
     model_output,
+    output_cache,
     slice_logits_to_keep,
 )
 from ..configuration import KdaMoeTextConfig
@@ -967,7 +968,7 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
             MoeCausalLMOutputWithPast,
             loss=loss,
             logits=logits,
-            cache=outputs[1] if len(outputs) > 1 and isinstance(outputs[1], Cache) else None,
+            cache=output_cache(outputs),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
