@@ -721,7 +721,8 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         block_size = config.attn_res_block_size
         self.starts_block = block_size is not None and layer_idx % block_size == 0
-        self.attn_res = KdaMoeAttnRes(config) if block_size is not None else None
+        # Layer 0 reads the embedding itself (no stored block yet), so it has no attention-input mixture.
+        self.attn_res = KdaMoeAttnRes(config) if block_size is not None and layer_idx > 0 else None
         self.mlp_res = KdaMoeAttnRes(config) if block_size is not None else None
 
     def forward(

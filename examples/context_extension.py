@@ -1,0 +1,279 @@
+"""Context extension recipe: the 8K -> 64K -> 256K -> 1M curriculum, each stage continuing from the last one.
+
+    python examples/context_extension.py --model path/to/8k-pretrained --output-dir outputs/context  # the recipe
+    python examples/context_extension.py --scale-down                                                # CPU smoke test
+
+Each stage is (sequence length, batch, steps, learning rate): `batch` packed rows of `seq_len` tokens per optimizer
+step (one row per forward, the others by gradient accumulation; multiply by the data-parallel world size under
+`accelerate launch` / `torchrun`). Every row packs several documents (`DataCollatorWithFlattening`: position ids
+restart at 0 per document, so KDA resets its state and MLA attends within the document; nothing is spent on
+padding). Gradient checkpointing recomputes the layer activations in the backward, and the loss never builds the
+[tokens, vocab] logits: `ChunkedLinearCrossEntropy` runs `lm_head` over slices of the final hidden states
+(`model.model(...)` -> `lm_head.weight`), computing each slice's gradient as it goes. A stage starts from the
+previous stage's `save_pretrained` folder (router biases included) with `max_position_embeddings` raised to its
+length; the default NoPE MLA needs no RoPE rescaling.
+
+The stage lengths are the article's; batch / steps / learning rates below are a starting point to tune, not values
+it gives. The documents here are windows of the bundled demo corpus, a stand-in for a long-document mixture.
+"""
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Stage:
+    seq_len: int
+    batch: int  # packed rows per optimizer step (per data-parallel rank)
+    steps: int
+    learning_rate: float
+
+
+# Roughly constant tokens per step (~4M per rank group), a shorter and gentler stage as the length grows.
+STAGES = [
+    Stage(seq_len=8_192, batch=512, steps=2_000, learning_rate=2e-4),
+    Stage(seq_len=65_536, batch=64, steps=1_000, learning_rate=1e-4),
+    Stage(seq_len=262_144, batch=16, steps=500, learning_rate=5e-5),
+    Stage(seq_len=1_048_576, batch=4, steps=250, learning_rate=3e-5),
+]
+# The same curriculum (same length ratios) for a tiny model on a CPU: seconds per stage.
+SCALED_DOWN_STAGES = [
+    Stage(seq_len=16, batch=2, steps=3, learning_rate=3e-3),
+    Stage(seq_len=128, batch=2, steps=2, learning_rate=2e-3),
+    Stage(seq_len=512, batch=1, steps=2, learning_rate=1e-3),
+    Stage(seq_len=2_048, batch=1, steps=2, learning_rate=5e-4),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cross-entropy over lm_head in chunks: never more than [chunk, vocab] logits at a time
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `hidden @ weight.T` against `targets`, `chunk_size` rows at a time, in fp32.
+
+    hidden [N, d], weight [V, d], targets [N] (-100 = not scored) -> scalar sum over the scored rows. The forward
+    computes each chunk's gradients (softmax - one-hot) right away and keeps only grad_hidden [N, d] and
+    grad_weight [V, d]; the [N, V] logits never exist, in the forward or the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int):
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]  # (grad mode is off inside forward)
+        needs_grad = wants_hidden or wants_weight
+        weight32 = weight.float()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if wants_hidden else None
+        grad_weight = torch.zeros_like(weight32) if wants_weight else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            chunk, target = hidden[rows].float(), targets[rows]
+            scored = target != -100
+            if not scored.any():
+                continue
+            logits = chunk @ weight32.T  # [c, V]
+            safe_target = target.clamp_min(0)
+            log_z = torch.logsumexp(logits, dim=-1)
+            total = total + ((log_z - logits.gather(1, safe_target[:, None])[:, 0]) * scored).sum()
+            if needs_grad:
+                grad_logits = torch.softmax(logits, dim=-1)
+                grad_logits[torch.arange(len(target), device=target.device), safe_target] -= 1.0
+                grad_logits *= scored[:, None]
+                if grad_hidden is not None:
+                    grad_hidden[rows] = grad_logits @ weight32
+                if grad_weight is not None:
+                    grad_weight += grad_logits.T @ chunk
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0),
+            grad_weight if grad_weight is not None else torch.empty(0),
+        )
+        ctx.has_grad = (grad_hidden is not None, grad_weight is not None)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        has_hidden, has_weight = ctx.has_grad
+        return (
+            (grad_hidden * grad_output).to(ctx.dtypes[0]) if has_hidden else None,
+            (grad_weight * grad_output).to(ctx.dtypes[1]) if has_weight else None,
+            None,
+            None,
+        )
+
+
+def chunked_causal_lm_loss(hidden_states, lm_head_weight, labels, num_items_in_batch=None, chunk_size: int = 1024):
+    """The causal LM loss of transformers (`labels` shifted by one inside, -100 ignored, mean over scored tokens or
+    divided by `num_items_in_batch`), from hidden states [B, T, d] and `lm_head.weight` [V, d]."""
+    targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1).to(hidden_states.device)
+    total = ChunkedLinearCrossEntropy.apply(hidden_states.reshape(-1, hidden_states.shape[-1]), lm_head_weight, targets, chunk_size)
+    count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
+    if torch.is_tensor(count):
+        count = count.to(total.device)
+    return total / count
+
+
+class ChunkedLossCausalLM(nn.Module):
+    """What `Trainer` trains: the causal LM's base model + the chunked loss over its `lm_head.weight`.
+
+    A module of its own (rather than a `compute_loss` override) so that DDP / FSDP wrap the whole computation."""
+
+    def __init__(self, lm, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, labels, position_ids=None, num_items_in_batch=None, **kwargs):
+        kwargs.pop("attention_mask", None)  # packed rows carry their boundaries in position_ids
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
+        loss = chunked_causal_lm_loss(hidden, self.lm.lm_head.weight, labels, num_items_in_batch, self.chunk_size)
+        return {"loss": loss}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed rows of documents
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def packed_rows(token_stream: list[int], seq_len: int, num_rows: int, seed: int = 0) -> list[dict]:
+    """`num_rows` rows of exactly `seq_len` tokens, each a list of documents (windows of the stream with lengths
+    between seq_len / 8 and seq_len / 2; the last one cut to fit)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_rows):
+        documents, filled = [], 0
+        while filled < seq_len:
+            length = int(torch.randint(max(2, seq_len // 8), max(3, seq_len // 2 + 1), (1,), generator=generator))
+            length = min(length, seq_len - filled)
+            start = int(torch.randint(0, len(token_stream) - length, (1,), generator=generator))
+            documents.append(token_stream[start : start + length])
+            filled += length
+        rows.append({"documents": documents})
+    return rows
+
+
+class PackedRowCollator:
+    """A batch of rows -> one flattened row (`DataCollatorWithFlattening`: input_ids, labels with -100 at each
+    document start, position_ids restarting at 0 per document)."""
+
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_tensors="pt")
+
+    def __call__(self, rows):
+        return self.flatten([{"input_ids": document} for row in rows for document in row["documents"]])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The curriculum
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def corpus_tokens(tokenizer, min_tokens: int) -> list[int]:
+    text = (Path(__file__).resolve().parent / "data" / "corpus.txt").read_text()
+    ids = tokenizer(text)["input_ids"]
+    return ids * max(1, math.ceil(min_tokens / len(ids)))
+
+
+def tiny_model(tokenizer):
+    from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig
+
+    config = KdaMoeTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=4, linear_num_heads=2, linear_head_dim=8,
+        num_attention_heads=2, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        moe_intermediate_size=16, intermediate_size=48, routed_expert_hidden_size=16, attn_res_block_size=2,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    return KdaMoeForCausalLM(config)
+
+
+def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, chunk_size: int, progress: bool):
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(init_from) if isinstance(init_from, (str, Path)) else init_from
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, stage.seq_len)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rows = packed_rows(corpus_tokens(tokenizer, 4 * stage.seq_len), stage.seq_len, stage.batch * stage.steps, seed=index)
+    args = TrainingArguments(
+        output_dir=str(output_dir / f"stage-{index}-trainer"),
+        max_steps=stage.steps,
+        per_device_train_batch_size=1,  # one packed row per forward ...
+        gradient_accumulation_steps=stage.batch,  # ... `batch` rows per optimizer step
+        learning_rate=stage.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, stage.steps // 20),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        remove_unused_columns=False,
+        disable_tqdm=not progress,
+        dataloader_num_workers=0,
+        seed=index,
+    )
+    trainer = Trainer(model=ChunkedLossCausalLM(model, chunk_size), args=args, train_dataset=rows, data_collator=PackedRowCollator())
+    trainer.train()
+    stage_dir = output_dir / f"stage-{index}-{stage.seq_len}"
+    model.save_pretrained(stage_dir)
+    tokenizer.save_pretrained(stage_dir)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    documents = sum(len(row["documents"]) for row in rows)
+    print(f"stage {index}: {stage.seq_len} tokens x {stage.batch} rows x {stage.steps} steps, lr {stage.learning_rate}, "
+          f"{documents / len(rows):.1f} documents per row, loss {losses[0]:.3f} -> {losses[-1]:.3f}, saved to {stage_dir}")
+    return {
+        **asdict(stage),
+        "init_from": str(init_from) if isinstance(init_from, (str, Path)) else "fresh model",
+        "saved_to": str(stage_dir),
+        "losses": losses,
+        "documents_per_row": documents / len(rows),
+        "gradient_checkpointing": model.is_gradient_checkpointing,
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="the model to extend (default: a fresh model of the default config)")
+    parser.add_argument("--tokenizer", default=str(Path(__file__).resolve().parent / "data" / "tokenizer"))
+    parser.add_argument("--output-dir", default="outputs/context_extension")
+    parser.add_argument("--scale-down", "--tiny", dest="scale_down", action="store_true",
+                        help="tiny model and SCALED_DOWN_STAGES (a CPU smoke test of the whole pipeline)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="rows of logits per loss chunk (default 1024; 64 scaled down)")
+    parser.add_argument("--no-progress-bar", action="store_true")
+    args = parser.parse_args(argv)
+
+    import kda_moe  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoTokenizer
+
+    from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    stages = SCALED_DOWN_STAGES if args.scale_down else STAGES
+    chunk_size = args.chunk_size or (64 if args.scale_down else 1024)
+    if args.model:
+        init_from = args.model
+    elif args.scale_down:
+        init_from = tiny_model(tokenizer)
+    else:
+        init_from = KdaMoeForCausalLM(KdaMoeTextConfig(vocab_size=len(tokenizer)))
+    output_dir = Path(args.output_dir)
+    results = []
+    for index, stage in enumerate(stages):
+        results.append(run_stage(index, stage, init_from, tokenizer, output_dir, chunk_size, not args.no_progress_bar))
+        init_from = results[-1]["saved_to"]  # the next stage continues from this stage's checkpoint
+    (output_dir / "stages.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The examples run as users run them (subprocesses, offline): the README demo with its defaults, the datasets +
+evaluate fine-tuning script, and the scaled-down context-extension curriculum; plus the chunked loss it relies on."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import tiny_model
+from huggingface_hub import ModelCard
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def run_example(script, *args, cwd, timeout):
+    env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
+    start = time.time()
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result, time.time() - start
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(f"kda_moe_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_demo_runs_with_its_defaults(tmp_path):
+    """`python examples/quickstart.py`: Trainer with a progress bar, the loss clearly falls, the saved folder has a
+    valid model card and reloads, and the LoRA adapter changes the generation."""
+    result, seconds = run_example("quickstart.py", cwd=tmp_path, timeout=600)
+    summary = json.loads((tmp_path / "outputs" / "quickstart" / "summary.json").read_text())
+    losses = summary["losses"]
+    assert losses[-1] < losses[0] - 1.0, losses  # clearly falls, not noise
+    assert summary["lora_losses"][-1] < summary["lora_losses"][0]
+    assert summary["adapter_changed_output"] and summary["lora_generation"] != summary["generation_without_adapter"]
+    assert "it/s]" in result.stderr or "s/it]" in result.stderr  # Trainer's tqdm progress bar
+    model_dir = tmp_path / "outputs" / "quickstart" / "model"
+    card = ModelCard.load(model_dir / "README.md", ignore_metadata_errors=False)
+    assert card.data.library_name == "transformers" and "quickstart.py" in card.text
+    assert (tmp_path / "outputs" / "quickstart" / "lora-adapter" / "adapter_model.safetensors").exists()
+    print(f"quickstart: {seconds:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+
+
+def test_finetune_on_local_jsonl_reports_perplexity_with_evaluate(tmp_path):
+    out = tmp_path / "ft"
+    args = ("--tiny", "--max-steps", "8", "--block-size", "64", "--batch-size", "8", "--output-dir", str(out))
+    result, _ = run_example("finetune.py", *args, cwd=tmp_path, timeout=300)
+    metrics = json.loads((out / "metrics.json").read_text())
+    before, after = metrics["before"], metrics["after"]
+    assert after["eval_perplexity"] < before["eval_perplexity"]
+    # The evaluate metric (token-weighted) agrees with Trainer's eval loss on these equal-length blocks.
+    assert math.isclose(after["eval_perplexity"], math.exp(after["eval_loss"]), rel_tol=1e-4)
+    assert after["eval_tokens"] > 0 and "validation perplexity after" in result.stdout
+    assert (out / "model.safetensors").exists() and (out / "README.md").exists() and (out / "tokenizer.json").exists()
+
+
+def test_context_extension_curriculum_runs_scaled_down(tmp_path):
+    context = load_example("context_extension")
+    result, _ = run_example("context_extension.py", "--scale-down", "--no-progress-bar", cwd=tmp_path, timeout=300)
+    stages = json.loads((tmp_path / "outputs" / "context_extension" / "stages.json").read_text())
+    assert [s["seq_len"] for s in stages] == [s.seq_len for s in context.SCALED_DOWN_STAGES]
+    # The scaled-down lengths keep the recipe's ratios (8K -> 64K -> 256K -> 1M).
+    ratios = lambda plan: [b.seq_len / a.seq_len for a, b in zip(plan, plan[1:])]  # noqa: E731
+    assert ratios(context.SCALED_DOWN_STAGES) == ratios(context.STAGES) == [8, 4, 4]
+    assert [s.seq_len for s in context.STAGES] == [8192, 65536, 262144, 1048576]
+    assert stages[0]["init_from"] == "fresh model"
+    for previous, stage in zip(stages, stages[1:]):
+        assert stage["init_from"] == previous["saved_to"]  # each stage continues from the previous checkpoint
+    for stage in stages:
+        assert stage["gradient_checkpointing"] and stage["documents_per_row"] > 1  # checkpointing, packed rows
+        assert len(stage["losses"]) == stage["steps"] and all(math.isfinite(x) for x in stage["losses"])
+        config = json.loads((tmp_path / stage["saved_to"] / "config.json").read_text())
+        assert config["max_position_embeddings"] >= stage["seq_len"]
+
+
+def test_chunked_cross_entropy_equals_the_plain_loss_without_full_logits():
+    from transformers import DataCollatorWithFlattening
+
+    context = load_example("context_extension")
+    model = tiny_model(seed=0, router_balancing="none").train()
+    generator = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in (40, 33, 47)]
+    batch = DataCollatorWithFlattening()([{"input_ids": s} for s in seqs])
+    tokens, vocab, chunk = batch["input_ids"].numel(), model.config.vocab_size, 16
+
+    plain = model(**batch).loss
+    plain.backward()
+    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    wide = []  # every tensor autograd saves for the backward that has a vocabulary-sized last dimension
+
+    def pack(tensor):
+        if tensor.dim() >= 2 and tensor.shape[-1] == vocab:
+            wide.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked = context.ChunkedLossCausalLM(model, chunk_size=chunk)(**batch)["loss"]
+    chunked.backward()
+    assert all(math.prod(shape) <= chunk * vocab for shape in wide), wide  # never [tokens, vocab]
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert tokens > 4 * chunk
