@@ -182,6 +182,10 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+# The latent query / key-value norms of MLA keep RMSNorm's 1e-6 in DeepSeek-V3 and Kimi Linear, whatever rms_norm_eps.
+MLA_LATENT_NORM_EPS = 1e-6
+
+
 class KdaMoeAttention(nn.Module):
     """Gated MLA. The cache holds only the compressed latent (`kv_lora_rank` + `qk_rope_head_dim` per token).
 
@@ -212,10 +216,10 @@ class KdaMoeAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = KdaMoeRMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = KdaMoeRMSNorm(self.q_lora_rank, eps=MLA_LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = KdaMoeRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = KdaMoeRMSNorm(self.kv_lora_rank, eps=MLA_LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.g_proj = nn.Linear(hidden, heads * self.v_head_dim, bias=False) if config.mla_use_output_gate else None
         self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
