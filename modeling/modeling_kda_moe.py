@@ -763,18 +763,22 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# What a saved folder's `auto_map` points at: `trust_remote_code` loaders import these one-line modules.
-REMOTE_CODE_CLASSES = {
-    "AutoConfig": ("configuration_kda_moe", "KdaMoeTextConfig"),
-    "AutoModel": ("modeling_kda_moe", "KdaMoeTextModel"),
-    "AutoModelForCausalLM": ("modeling_kda_moe", "KdaMoeForCausalLM"),
-}
-REMOTE_CODE_MODULES = {
-    "configuration_kda_moe": '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
-    "from kda_moe.configuration import KdaMoeTextConfig  # noqa: F401\n",
-    "modeling_kda_moe": '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
-    "from kda_moe.modeling import KdaMoeForCausalLM, KdaMoeTextModel  # noqa: F401\n",
-}
+def write_remote_code_modules(save_directory, auto_classes: dict[str, str]) -> dict[str, str]:
+    """One-line `configuration_kda_moe.py` / `modeling_kda_moe.py` in a saved folder, importing the named classes
+    from the installed `kda_moe` package, so `trust_remote_code=True` loaders that never import `kda_moe` find them.
+    auto_classes: {"AutoConfig": "KdaMoeTextConfig", ...}. Returns the folder's `auto_map`."""
+    modules: dict[str, list[str]] = {}
+    auto_map = {}
+    for auto_name, class_name in auto_classes.items():
+        module = "configuration_kda_moe" if class_name.endswith("Config") else "modeling_kda_moe"
+        modules.setdefault(module, []).append(class_name)
+        auto_map[auto_name] = f"{module}.{class_name}"
+    for module, names in modules.items():
+        package = "kda_moe.configuration" if module.startswith("configuration") else "kda_moe.modeling"
+        source = '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
+        source += f"from {package} import {', '.join(sorted(set(names)))}  # noqa: F401\n"
+        (Path(save_directory) / f"{module}.py").write_text(source)
+    return auto_map
 
 
 class KdaMoePreTrainedModel(PreTrainedModel):
@@ -815,15 +819,23 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         elif isinstance(module, KdaMoeGatedRMSNorm):
             init.ones_(module.weight)
 
+    # What a saved folder's `auto_map` names, for `trust_remote_code` loaders (see `write_remote_code_modules`).
+    _remote_code_classes = {
+        "AutoConfig": "KdaMoeTextConfig",
+        "AutoModel": "KdaMoeTextModel",
+        "AutoModelForCausalLM": "KdaMoeForCausalLM",
+    }
+
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus an `auto_map` and two one-line modules that import this package,
-        so the folder (or its Hub copy) also loads with `Auto*.from_pretrained(..., trust_remote_code=True)` in a
-        process that never imports `kda_moe` itself (the package must be installed)."""
-        self.config.auto_map = {name: f"{module}.{cls}" for name, (module, cls) in REMOTE_CODE_CLASSES.items()}
+        """`PreTrainedModel.save_pretrained`, plus an `auto_map` with one-line modules that import this package (so
+        the folder, or its Hub copy, also loads with `Auto*.from_pretrained(..., trust_remote_code=True)` in a
+        process that never imports `kda_moe`; the package must be installed) and, for text models, a model card."""
+        is_main_process = kwargs.get("is_main_process", True)
+        if is_main_process:
+            Path(save_directory).mkdir(parents=True, exist_ok=True)
+            self.config.auto_map = write_remote_code_modules(save_directory, self._remote_code_classes)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            for module, source in REMOTE_CODE_MODULES.items():
-                (Path(save_directory) / f"{module}.py").write_text(source)
+        if is_main_process and isinstance(self.config, KdaMoeTextConfig):  # the card template describes text models
             from ..model_cards import write_model_card  # README.md: the model card (kept if someone else wrote it)
 
             write_model_card(self, save_directory)

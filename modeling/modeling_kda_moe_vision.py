@@ -387,20 +387,6 @@ class KdaMoeMultiModalProjector(nn.Module):
 # Multimodal model and generation head
 # ----------------------------------------------------------------------------------------------------------------
 
-# What a saved multimodal folder's `auto_map` points at (see `KdaMoePreTrainedModel.save_pretrained`).
-REMOTE_CODE_CLASSES = {
-    "AutoConfig": ("configuration_kda_moe", "KdaMoeConfig"),
-    "AutoModel": ("modeling_kda_moe", "KdaMoeModel"),
-    "AutoModelForImageTextToText": ("modeling_kda_moe", "KdaMoeForConditionalGeneration"),
-}
-REMOTE_CODE_MODULES = {
-    "configuration_kda_moe": '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
-    "from kda_moe.configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig  # noqa: F401\n",
-    "modeling_kda_moe": '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
-    "from kda_moe.modeling import KdaMoeForConditionalGeneration, KdaMoeModel  # noqa: F401\n",
-}
-
-
 class KdaMoeMultimodalPreTrainedModel(KdaMoePreTrainedModel):
     """Shared base of `KdaMoeModel` / `KdaMoeForConditionalGeneration`: the text model's conventions (stateful
     hybrid cache, fp32 router / decay parameters) plus the vision blocks; sub-models initialise their own weights."""
@@ -411,20 +397,16 @@ class KdaMoeMultimodalPreTrainedModel(KdaMoePreTrainedModel):
     input_modalities = ("image", "text")
     _no_split_modules = ["KdaMoeDecoderLayer", "KdaMoeVisionBlock"]
     _checkpoint_conversion_mapping = {}
+    _remote_code_classes = {
+        "AutoConfig": "KdaMoeConfig",
+        "AutoModel": "KdaMoeModel",
+        "AutoModelForImageTextToText": "KdaMoeForConditionalGeneration",
+    }
 
     def _init_weights(self, module):
         # Only the modules the composite owns land here (projector, lm_head): the vision tower and the text model
         # are `PreTrainedModel`s and initialise their own. Linear std = text_config.initializer_range.
         PreTrainedModel._init_weights(self, module)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus an `auto_map` and one-line modules importing this package, so the
-        folder also loads with `trust_remote_code=True` in a process that never imports `kda_moe`."""
-        self.config.auto_map = {name: f"{module}.{cls}" for name, (module, cls) in REMOTE_CODE_CLASSES.items()}
-        PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            for module, source in REMOTE_CODE_MODULES.items():
-                (Path(save_directory) / f"{module}.py").write_text(source)
 
 
 class KdaMoeModel(KdaMoeMultimodalPreTrainedModel):
