@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import _gate
+from .chunk_tiles import gate as _gate
 
 
 @triton.jit
