@@ -243,7 +243,7 @@ def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="the model to extend (default: a fresh model of the default config)")
-    parser.add_argument("--tokenizer", default=str(Path(__file__).resolve().parent / "data" / "tokenizer"))
+    parser.add_argument("--tokenizer", default=None, help="folder or Hub id (default: the one kda-moe ships)")
     parser.add_argument("--output-dir", default="outputs/context_extension")
     parser.add_argument("--scale-down", "--tiny", dest="scale_down", action="store_true",
                         help="tiny model and SCALED_DOWN_STAGES (a CPU smoke test of the whole pipeline)")
@@ -255,9 +255,10 @@ def main(argv=None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig
+    from kda_moe.processing import TOKENIZER_DIR
 
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(TOKENIZER_DIR))
     stages = SCALED_DOWN_STAGES if args.scale_down else STAGES
     chunk_size = args.chunk_size or (64 if args.scale_down else 1024)
     if args.model:

@@ -53,10 +53,13 @@ def lora_config(r: int = 8, alpha: int = 16, **overrides):
     return LoraConfig(**values)
 
 
-def load_tokenizer(path=DATA / "tokenizer"):
+def load_tokenizer(path=None):
+    """The tokenizer at `path` (a folder or Hub id), by default the one shipped with kda-moe."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    from kda_moe.processing import TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(str(path or TOKENIZER_DIR))
 
 
 def tokenized_blocks(dataset, tokenizer, block_size: int, text_field: str = "text"):
@@ -117,7 +120,7 @@ def build_model(model_path: str | None, tokenizer, tiny: bool = False):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="folder or Hub id to start from (default: a fresh default config)")
-    parser.add_argument("--tokenizer", default=str(DATA / "tokenizer"))
+    parser.add_argument("--tokenizer", default=None, help="folder or Hub id (default: the one kda-moe ships)")
     parser.add_argument("--train-file", default=str(DATA / "keeper_log_train.jsonl"))
     parser.add_argument("--validation-file", default=str(DATA / "keeper_log_validation.jsonl"))
     parser.add_argument("--text-field", default="text")

@@ -3,7 +3,7 @@
     python examples/quickstart.py [--steps 120] [--lora-steps 40] [--output-dir outputs/quickstart]
 
 1. Build a model from the default `KdaMoeTextConfig` (every K3 feature on: KDA + gated MLA, Block AttnRes,
-   LatentMoE with SiTU-GLU and Quantile Balancing) and the tokenizer shipped in `examples/data/tokenizer`.
+   LatentMoE with SiTU-GLU and Quantile Balancing) and the tokenizer shipped with the package (`kda_moe.processing`).
 2. Train it with `transformers.Trainer` (progress bar, cosine schedule) on the bundled corpus
    `examples/data/corpus.txt` until the loss has clearly fallen; log the experts' max / mean load on the way.
 3. `save_pretrained` (config, weights with the router biases, model card `README.md`), reload with

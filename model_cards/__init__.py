@@ -4,6 +4,10 @@
 config, the parameter counts, the intended use, the license and how to load the folder, and writes it as the
 folder's `README.md` (the file the Hub shows). `KdaMoePreTrainedModel.save_pretrained` calls it on the main process.
 A `README.md` that this module did not write (no `GENERATED_MARK` in it) is left alone unless `overwrite=True`.
+
+`push_to_hub` (and `save_pretrained(..., push_to_hub=True)`) would upload transformers' card instead: the Hub's card,
+or a generic one, from `create_and_tag_model_card`. `KdaMoePreTrainedModel._upload_modified_files` calls
+`write_pushed_model_card`, which puts ours back (with the push's tags) unless the Hub's card is one someone wrote.
 """
 
 from pathlib import Path
@@ -22,6 +26,8 @@ DEFAULT_INTENDED_USE = (
     "as the data it was trained on; check the training section before using its generations for anything."
 )
 DEFAULT_TRAINING_SUMMARY = "Not recorded. Pass `training_summary=` to `write_model_card` to describe data and recipe."
+# The description of the card transformers' `create_and_tag_model_card` makes for a repository without one.
+TRANSFORMERS_GENERIC_CARD_MARK = "This is the model card of a 🤗 transformers model that has been pushed on the Hub."
 
 
 def _config_of(model_or_config):
@@ -97,15 +103,16 @@ def model_card(
     training_summary: str = DEFAULT_TRAINING_SUMMARY,
     datasets: list[str] | None = None,
     base_model: str | None = None,
+    tags: list[str] | None = None,
 ) -> ModelCard:
-    """The filled-in card (a `huggingface_hub.ModelCard`, metadata parsed strictly)."""
+    """The filled-in card (a `huggingface_hub.ModelCard`, metadata parsed strictly); `tags` add to kda-moe's own."""
     config = _config_of(model_or_config)
     counts = parameter_counts(model_or_config)
     data = ModelCardData(
         license=license,
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=list(TAGS),
+        tags=TAGS + [tag for tag in tags or [] if tag not in TAGS],
         datasets=datasets,
         base_model=base_model,
     )
@@ -144,4 +151,26 @@ def write_model_card(model_or_config, save_directory, *, overwrite: bool = False
     return path
 
 
-__all__ = ["write_model_card", "model_card", "parameter_counts", "architecture_rows", "GENERATED_MARK"]
+def write_pushed_model_card(model, working_dir, repo_id: str) -> Path | None:
+    """Replace the `README.md` transformers put in the folder it is about to upload to `repo_id` with our card.
+
+    That file is `create_and_tag_model_card`'s: the Hub's card, or a generic one, either with the push's tags. A card
+    someone wrote on the Hub (neither ours nor the generic one) is kept (returns None); otherwise the card is ours,
+    named after `repo_id`, with the pushed card's tags added."""
+    path = Path(working_dir) / "README.md"
+    pushed = ModelCard(path.read_text(encoding="utf-8")) if path.exists() else None
+    if pushed is not None and GENERATED_MARK not in pushed.text and TRANSFORMERS_GENERIC_CARD_MARK not in pushed.text:
+        return None
+    tags = pushed.data.tags if pushed is not None else None
+    model_card(model, model_id=repo_id, tags=[tags] if isinstance(tags, str) else tags).save(path)
+    return path
+
+
+__all__ = [
+    "write_model_card",
+    "write_pushed_model_card",
+    "model_card",
+    "parameter_counts",
+    "architecture_rows",
+    "GENERATED_MARK",
+]

@@ -834,11 +834,22 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         if is_main_process:
             Path(save_directory).mkdir(parents=True, exist_ok=True)
             self.config.auto_map = write_remote_code_modules(save_directory, self._remote_code_classes)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if is_main_process and isinstance(self.config, KdaMoeTextConfig):  # the card template describes text models
-            from ..model_cards import write_model_card  # README.md: the model card (kept if someone else wrote it)
+            if isinstance(self.config, KdaMoeTextConfig):  # the card template describes text models
+                from ..model_cards import write_model_card  # README.md: the model card (kept if someone else wrote it)
 
-            write_model_card(self, save_directory)
+                write_model_card(self, save_directory)
+        super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        """`PushToHubMixin._upload_modified_files`, after putting our model card back: both `push_to_hub` and
+        `save_pretrained(..., push_to_hub=True)` save transformers' card (the Hub's, or a generic one, from
+        `create_and_tag_model_card`) as `working_dir/README.md` just before they call this. The push's tags are kept,
+        and so is a card someone wrote on the Hub (see `model_cards.write_pushed_model_card`)."""
+        if isinstance(self.config, KdaMoeTextConfig):
+            from ..model_cards import write_pushed_model_card
+
+            write_pushed_model_card(self, working_dir, repo_id)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     def router_load_statistics(self) -> dict[str, dict[str, float]]:
         """Per MoE layer load statistics of the last forward (max/mean tokens per expert, dead experts)."""

@@ -1,11 +1,11 @@
-"""Model cards: `save_pretrained` writes a card that parses as a Hub model card, and the folder `push_to_hub` would
-upload loads with the Auto classes (no network: the Hub calls of `push_to_hub` are replaced by local stand-ins)."""
+"""Model cards: `save_pretrained` writes a card that parses as a Hub model card, and `push_to_hub` uploads that card
+(not transformers' generic one) in a folder that loads with the Auto classes (no network: the Hub calls of
+`push_to_hub` are replaced by local stand-ins)."""
 
 import shutil
 from pathlib import Path
 from unittest import mock
 
-import pytest
 import torch
 from conftest import tiny_model
 from huggingface_hub import ModelCard
@@ -41,26 +41,39 @@ def test_card_someone_else_wrote_is_kept(tmp_path):
     assert ModelCard.load(tmp_path / "again" / "README.md").data.license == "apache-2.0"
 
 
-def _capture_push_to_hub(model, folder: Path):
-    """Run `model.push_to_hub` with its three Hub calls replaced: the repo exists, it has no card yet, and the
-    upload copies the folder `push_to_hub` built to `folder` instead of sending it."""
+REPO_ID = "someone/tiny-kda-moe"
+
+
+def _capture_push(push, folder: Path, hub_card: str | None = None) -> None:
+    """Run `push()` (a `push_to_hub` or `save_pretrained(..., push_to_hub=True)` call) with the Hub replaced: the repo
+    exists, its card is `hub_card` (None: it has none yet), and the commit copies the files transformers'
+    `_upload_modified_files` hands it to `folder` instead of sending them."""
+    import transformers.modeling_utils as modeling_utils
     import transformers.utils.hub as hub
     from huggingface_hub.errors import EntryNotFoundError
 
-    def upload(self, working_dir, repo_id, *args, **kwargs):
-        shutil.copytree(working_dir, folder)
+    def load_card(repo_id, *args, **kwargs):
+        if hub_card is None:
+            raise EntryNotFoundError("no README.md in the repository yet")
+        return ModelCard(hub_card)
 
-    def no_card_on_the_hub(*args, **kwargs):
-        raise EntryNotFoundError("no README.md in the repository yet")
+    def commit(repo_id, operations, **kwargs):
+        assert repo_id == REPO_ID
+        for operation in operations:
+            target = folder / operation.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(operation.path_or_fileobj, target)
 
     api = mock.Mock()
-    api.create_repo.return_value = mock.Mock(repo_id="someone/tiny-kda-moe")
+    api.create_repo.return_value = mock.Mock(repo_id=REPO_ID)
+    api.create_commit.side_effect = commit
     with (
         mock.patch.object(hub, "hf_api", return_value=api),
-        mock.patch.object(hub.ModelCard, "load", side_effect=no_card_on_the_hub),
-        mock.patch.object(type(model), "_upload_modified_files", upload),
+        mock.patch.object(modeling_utils, "hf_api", return_value=api),  # save_pretrained(push_to_hub=True)'s repo
+        mock.patch.object(hub.ModelCard, "load", side_effect=load_card),
     ):
-        model.push_to_hub("someone/tiny-kda-moe")
+        push()
+    api.create_commit.assert_called_once()
 
 
 def test_push_to_hub_folder_loads_with_auto_classes(tmp_path):
@@ -71,7 +84,7 @@ def test_push_to_hub_folder_loads_with_auto_classes(tmp_path):
     input_ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids, labels=input_ids).loss.backward()  # non-zero Quantile Balancing biases travel too
     model.eval()
-    _capture_push_to_hub(model, tmp_path / "upload")
+    _capture_push(lambda: model.push_to_hub(REPO_ID), tmp_path / "upload")
     files = {p.name for p in (tmp_path / "upload").iterdir()}
     assert {"config.json", "model.safetensors", "README.md", "generation_config.json"} <= files
     assert {"configuration_kda_moe.py", "modeling_kda_moe.py"} <= files  # auto_map targets for trust_remote_code
@@ -84,13 +97,39 @@ def test_push_to_hub_folder_loads_with_auto_classes(tmp_path):
     ModelCard.load(tmp_path / "upload" / "README.md", ignore_metadata_errors=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transformers' PushToHubMixin.push_to_hub saves README.md from create_and_tag_model_card() (the Hub's "
-    "card, or a generic one) over the card save_pretrained wrote; needs a KdaMoePreTrainedModel.push_to_hub override",
-)
-def test_push_to_hub_uploads_the_generated_card(tmp_path):
+def test_push_to_hub_uploads_the_generated_card_with_the_push_tags(tmp_path):
+    from kda_moe.model_cards import GENERATED_MARK, TAGS
+
+    _capture_push(lambda: tiny_model(seed=1).push_to_hub(REPO_ID, tags=["my-tag"]), tmp_path / "upload")
+    card = ModelCard.load(tmp_path / "upload" / "README.md", ignore_metadata_errors=False)
+    assert GENERATED_MARK in card.text and f'from_pretrained("{REPO_ID}")' in card.text  # named after the repo
+    assert "# tiny-kda-moe" in card.text and "3 KDA + 2 gated MLA" in card.text
+    assert card.data.license == "apache-2.0" and card.data.pipeline_tag == "text-generation"
+    assert card.data.tags == TAGS + ["my-tag"]
+
+
+def test_save_pretrained_with_push_to_hub_uploads_the_generated_card(tmp_path):
     from kda_moe.model_cards import GENERATED_MARK
 
-    _capture_push_to_hub(tiny_model(seed=1), tmp_path / "upload")
-    assert GENERATED_MARK in (tmp_path / "upload" / "README.md").read_text()
+    model = tiny_model(seed=1)
+    push = lambda: model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id=REPO_ID)  # noqa: E731
+    _capture_push(push, tmp_path / "upload")
+    uploaded = (tmp_path / "upload" / "README.md").read_text()
+    assert GENERATED_MARK in uploaded and f'from_pretrained("{REPO_ID}")' in uploaded
+    assert (tmp_path / "local" / "README.md").read_text() == uploaded  # the folder keeps what was uploaded
+
+
+def test_push_to_hub_refreshes_our_card_on_the_hub_and_keeps_a_card_someone_wrote(tmp_path):
+    from kda_moe.model_cards import GENERATED_MARK, model_card
+
+    model = tiny_model(seed=1)
+    ours_on_the_hub = model_card(model, model_id=REPO_ID, tags=["earlier-tag"], training_summary="an older run")
+    _capture_push(lambda: model.push_to_hub(REPO_ID, tags=["my-tag"]), tmp_path / "ours", hub_card=str(ours_on_the_hub))
+    card = ModelCard.load(tmp_path / "ours" / "README.md", ignore_metadata_errors=False)
+    assert GENERATED_MARK in card.text and "an older run" not in card.text  # regenerated: ours while the mark is there
+    assert {"earlier-tag", "my-tag", "kda-moe"} <= set(card.data.tags)
+
+    theirs = "---\nlicense: mit\n---\n# my own card\n"
+    _capture_push(lambda: model.push_to_hub(REPO_ID, tags=["my-tag"]), tmp_path / "theirs", hub_card=theirs)
+    card = ModelCard.load(tmp_path / "theirs" / "README.md", ignore_metadata_errors=False)
+    assert card.data.license == "mit" and card.text.strip() == "# my own card" and card.data.tags == ["my-tag"]
