@@ -74,8 +74,9 @@ def kernel_stats():
     """Registers / spills / shared memory of our compiled kernels (the compiler's resource report)."""
     from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, recurrent
     stats = {}
-    for mod, name in [(chunk_fwd, "_intra_kernel"), (chunk_fwd, "_scan_kernel"), (chunk_bwd, "_scan_bwd_kernel"),
-                      (chunk_bwd, "_intra_bwd_kernel"), (recurrent, "_decode_kernel")]:
+    for mod, name in [(chunk_fwd, "_chunk_kernel"), (chunk_fwd, "_scan_kernel"), (chunk_bwd, "_scan_bwd_kernel"),
+                      (chunk_bwd, "_state_grads_kernel"), (chunk_bwd, "_gate_grads_kernel"),
+                      (recurrent, "_decode_kernel")]:
         fn = getattr(mod, name)
         try:
             for dev_caches in fn.device_caches.values():
@@ -87,40 +88,44 @@ def kernel_stats():
     return stats
 
 
+# launch knobs tried by tune(), one at a time from the defaults: (module, knob, values)
+KNOBS = [("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
+         ("fwd", "scan_bv", (32, 64)), ("bwd", "scan_bv", (32, 64)), ("bwd", "state_warps", (4, 8)),
+         ("bwd", "gate_warps", (4, 8))]
+# the stages each pipeline can stop after, in order (per-stage time = difference of consecutive stops)
+DECODE_KNOBS = [dict(bv=32, warps=4), dict(bv=16, warps=2), dict(bv=64, warps=4), dict(bv=64, warps=8),
+                dict(bv=128, warps=8)]
+STAGES = {"fwd": ("chunk", None), "bwd": ("recompute", "scan", "state", None)}
+
+
 def tune(res):
-    """Per-stage times of our pipeline at the first shape (bounded gate) and the launch knobs picked
-    from them (the picked knobs are then used for the whole table)."""
-    from kda_moe.kernels.kda.chunk_bwd import chunk_kda_bwd
-    from kda_moe.kernels.kda.chunk_fwd import CONFIG, chunk_kda_fwd
+    """Per-stage times of our pipeline at the first shape (bounded gate), and the launch knobs picked
+    one at a time from them (the picked knobs are then used for the whole table)."""
+    from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
+    configs = {"fwd": chunk_fwd.CONFIG, "bwd": chunk_bwd.CONFIG}
     B, T, H, K = SHAPES[0]
     q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
     do = torch.randn_like(v)
-    fwd = lambda: chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None)  # noqa: E731
-    bwd = lambda: chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do, None)  # noqa: E731
+    run = {"fwd": lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None),
+           "bwd": lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do,
+                                                  None)}
     t = {}
-    for w in (4, 8):
-        CONFIG["intra_warps"] = w
-        CONFIG["stop_after"] = "intra"
-        t[f"fwd_intra_w{w}"] = bench(fwd)
-        CONFIG["stop_after"] = None
-        t[f"fwd_w{w}"] = bench(fwd)
-    CONFIG["intra_warps"] = min((4, 8), key=lambda w: t[f"fwd_intra_w{w}"])
-    for bv in (32, 64):
-        CONFIG["scan_bv"] = bv
-        t[f"fwd_scanbv{bv}"] = bench(fwd)
-    CONFIG["scan_bv"] = None if t["fwd_scanbv64"] <= t["fwd_scanbv32"] else 32
-    for stop in ("bwd_recompute", "bwd_scan"):
-        CONFIG["stop_after"] = stop
-        t[stop] = bench(bwd)
-    CONFIG["stop_after"] = None
-    for w in (4, 8):
-        CONFIG["bwd_intra_warps"] = w
-        t[f"bwd_w{w}"] = bench(bwd)
-    CONFIG["bwd_intra_warps"] = min((4, 8), key=lambda w: t[f"bwd_w{w}"])
+    for which, knob, values in KNOBS:
+        for val in values:
+            configs[which][knob] = val
+            t[f"{which}_{knob}={val}"] = bench(run[which])
+        configs[which][knob] = min(values, key=lambda x: t[f"{which}_{knob}={x}"])
+    for which, stops in STAGES.items():
+        for stop in stops:
+            configs[which]["stop_after"] = stop
+            t[f"{which}_until_{stop or 'end'}"] = bench(run[which])
+        configs[which]["stop_after"] = None
     res["stage_ms"] = t
-    res["config"] = dict(CONFIG)
-    print("stage times (ms):", {n: round(x, 3) for n, x in t.items()}, "->", CONFIG, flush=True)
-    print("kernel stats:", kernel_stats(), flush=True)
+    res["config"] = {w: dict(c) for w, c in configs.items()}
+    print("stage times (ms):", {n: round(x, 3) for n, x in t.items()}, flush=True)
+    print("picked:", res["config"], flush=True)
+    res["kernel_stats"] = kernel_stats()
+    print("kernel stats:", res["kernel_stats"], flush=True)
 
 
 def main(out):
@@ -196,7 +201,8 @@ def main(out):
     # decode: one token for B sequences, fp32 state [B, 16, 128, 128] updated in place
     H, K = 16, 128
     dec = []
-    for B in [1, 64, 256]:
+    from kda_moe.kernels.kda import recurrent
+    for B in [256, 1, 64]:  # 256 first: its launch knobs are picked for all three
         q, k, v, g = (torch.randn(B, H, K, device=dev, dtype=torch.bfloat16) for _ in range(4))
         beta = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
@@ -205,8 +211,14 @@ def main(out):
         d = dict(B=B)
         sb = 2 * state.numel() * 4
         f = lambda: kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=LB)  # noqa: E731
-        gph = torch.cuda.CUDAGraph()
+        if B == 256:
+            d["knob_ms"] = {}
+            for knobs in DECODE_KNOBS:
+                recurrent.CONFIG.update(knobs)
+                d["knob_ms"][str(knobs)] = bench(f)
+            recurrent.CONFIG.update(min(DECODE_KNOBS, key=lambda kn: d["knob_ms"][str(kn)]))
         f()
+        gph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gph):
             f()
         d["ours_ms"] = bench(f)
@@ -228,6 +240,7 @@ def main(out):
         d["frac_copy"] = max(d["ours_GBps"], d["ours_graph_GBps"]) / res["copy_GBps"]
         dec.append(d)
         print(d, flush=True)
+    dec.sort(key=lambda d: d["B"])
     res["rows"], res["decode"] = rows, dec
 
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, triton {res['triton']}. Ceilings in this run: bf16 matmul "

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype
-from .chunk_tiles import (BT, causal_mask, chunk_coords, decay_tiles, fast_diag, gate, load_rows, load_tile,
-                          seq_coords, store_rows, store_tile, tile_offsets)
+from .chunk_tiles import (BT, causal_mask, chunk_coords, chunk_offsets64, decay_tiles, fast_diag, gate, load_rows,
+                          load_tile, seq_coords, store_rows, store_tile, tile_offsets)
 
 # launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
 CONFIG = dict(scan_bv=32, scan_warps=4, state_warps=8, state_bk=32, state_bv=32, gate_warps=4, gate_bk=32,
@@ -68,13 +68,6 @@ def _scan_bwd_kernel(Wb, Qgb, Kdb, Aqb, gam, do, dht, dh0, dhbuf, ddbuf, cu_seql
 
 
 @triton.jit
-def _rows64(x, bos, t0, L, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
-    """Element offsets [64, len(o_d)] of one chunk of a [B, T, H, D] tensor and its row mask [64, 1]."""
-    o_t = t0 + tl.arange(0, BT)
-    return ((bos + o_t) * H + i_h).to(tl.int64)[:, None] * D + o_d[None, :], (o_t < L)[:, None]
-
-
-@triton.jit
 def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, dbuf, ddbuf,
                         dv, dLb, dAqb, dbeta_col, dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -89,13 +82,13 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
         m_r = o_t < L
         tok = ((bos + o_t) * H + i_h).to(tl.int64)
         bb = tl.where(m_r, tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32)), 0.0)
-        pT, m_t = _rows64(Tb, bos, t0, L, i_h, o_c, H, BT)
+        pT, m_t = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
         Tm = tl.load(Tb + pT, mask=m_t, other=0.0).to(tl.float32)
         Aw = (Tm * bb[None, :]).to(MMA)
         sk = tl.zeros((BT,), dtype=tl.float32)
         sq = tl.zeros((BT,), dtype=tl.float32)
         for kb in range(0, K, BK):
-            pk, _ = _rows64(k, bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
+            pk, _ = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
             bk = tl.load(k + pk, mask=m_t, other=0.0).to(tl.float32)
             bq = tl.load(q + pk, mask=m_t, other=0.0).to(tl.float32)
             sk += tl.sum(bk * bk, 1)
@@ -106,7 +99,7 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
         dAw = tl.zeros((BT, BT), dtype=tl.float32)
         dAq = tl.zeros((BT, BT), dtype=tl.float32)
         for vb in range(0, V, BV):
-            pv, _ = _rows64(v, bos, t0, L, i_h, vb + tl.arange(0, BV), H, V)
+            pv, _ = chunk_offsets64(bos, t0, L, i_h, vb + tl.arange(0, BV), H, V)
             bdo = tl.load(do + pv, mask=m_t, other=0.0).to(MMA)
             bd = tl.load(dbuf + pv, mask=m_t, other=0.0).to(MMA)
             bdd = tl.load(ddbuf + pv, mask=m_t, other=0.0).to(MMA)
@@ -124,7 +117,7 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
             dgam = tl.zeros((BK,), dtype=tl.float32)
             for vb in range(0, V, BV):
                 o_v = vb + tl.arange(0, BV)
-                pv, _ = _rows64(v, bos, t0, L, i_h, o_v, H, V)
+                pv, _ = chunk_offsets64(bos, t0, L, i_h, o_v, H, V)
                 ph = (slot * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
                 bS = tl.load(hbuf + ph)
                 bdS = tl.load(dhbuf + ph)
@@ -134,7 +127,7 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
                 dgam += tl.sum(bS.to(tl.float32) * bdS.to(tl.float32), 1)
             dW = -dW
             # decay of this channel slice as one [64, BK] cumsum (the tiled forward order differs only in rounding)
-            pk, _ = _rows64(k, bos, t0, L, i_h, o_k, H, K)
+            pk, _ = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
             bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
             ga = tl.where(m_t, gate(tl.load(g + pk, mask=m_t, other=0.0).to(tl.float32), bias[None, :], a, lb,
                                     BOUNDED), 0.0)
@@ -427,7 +420,7 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     if CONFIG["stop_after"] == "scan":
         return None
     dv = torch.empty_like(v)
-    dL = torch.empty(B, T, H, BT, device=dev, dtype=torch.float32)
+    dL = torch.empty(B, T, H, BT.value, device=dev, dtype=torch.float32)
     dAq = torch.empty_like(dL)
     dbeta_col = torch.empty(B, T, H, device=dev, dtype=torch.float32)
     dqn_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_tiles import (BT, causal_mask, chunk_coords, decay_tiles, diag_scores, fast_diag, load_rows,
-                          load_tile, pair_scores, seq_coords, store_tile, unit_lower_inverse)
+from .chunk_tiles import (BT, chunk_coords, chunk_offsets64, diagonal_scores, fast_diag, gate, lower_block_matrix,
+                          lower_blocks, seq_coords, tile_reference, unit_lower_inverse)
 
 # Launch knobs (benchmarks/kda.py times the alternatives). stop_after="chunk" ends the forward after the
 # chunk kernel (per-stage timing only).
@@ -31,60 +31,64 @@ CONFIG = dict(chunk_warps=4, chunk_bk=32, scan_warps=4, scan_bv=None, scan_stage
 @triton.jit
 def _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
             BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
-    """Un-normalised gated scores of one chunk as [16, 16] blocks kk_RS (k.k) and qk_RS (q.k), S <= R,
-    and the squared row norms of k and q per tile. Accumulated over K in BK-wide slices."""
-    z = tl.zeros((16, 16), dtype=tl.float32)
-    kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33 = z, z, z, z, z, z, z, z, z, z
-    qk00, qk10, qk11, qk20, qk21, qk22, qk30, qk31, qk32, qk33 = z, z, z, z, z, z, z, z, z, z
-    s = tl.zeros((16,), dtype=tl.float32)
-    sk0, sk1, sk2, sk3, sq0, sq1, sq2, sq3 = s, s, s, s, s, s, s, s
+    """Un-normalised gated scores of one chunk, ``kk_ij = sum_d k_id k_jd e^(G_id - G_jd)`` and the same for
+    ``qk`` ([64, 64] fp32, meaningful on and below the diagonal), and the squared row norms of k and q ([64]).
+
+    Accumulated over K in BK-wide slices. Per row tile R the decay is split at a reference ``r_R``
+    (``chunk_tiles.py``): row operand ``x_i e^(G_i - r_R)`` (rows of tile R only), column operand
+    ``k_j e^(r_R - G_j)`` on the columns tile R may see, so each row tile is one M = 64 GEMM."""
+    o_t = tl.arange(0, 64)
+    tile = o_t // 16
+    kk = tl.zeros((64, 64), dtype=tl.float32)
+    qk = tl.zeros((64, 64), dtype=tl.float32)
+    sk = tl.zeros((64,), dtype=tl.float32)
+    sq = tl.zeros((64,), dtype=tl.float32)
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
-        G0, G1, G2, G3, c1, c2, c3, c4 = decay_tiles(g, dt_bias, a, lb, bos, t0, L, i_h, o_k, H, K, BOUNDED)
-        k0 = load_tile(k, bos, t0, L, i_h, 0, o_k, H, K)
-        k1 = load_tile(k, bos, t0, L, i_h, 1, o_k, H, K)
-        k2 = load_tile(k, bos, t0, L, i_h, 2, o_k, H, K)
-        k3 = load_tile(k, bos, t0, L, i_h, 3, o_k, H, K)
-        q0 = load_tile(q, bos, t0, L, i_h, 0, o_k, H, K)
-        q1 = load_tile(q, bos, t0, L, i_h, 1, o_k, H, K)
-        q2 = load_tile(q, bos, t0, L, i_h, 2, o_k, H, K)
-        q3 = load_tile(q, bos, t0, L, i_h, 3, o_k, H, K)
-        sk0 += tl.sum(k0 * k0, 1)
-        sk1 += tl.sum(k1 * k1, 1)
-        sk2 += tl.sum(k2 * k2, 1)
-        sk3 += tl.sum(k3 * k3, 1)
-        sq0 += tl.sum(q0 * q0, 1)
-        sq1 += tl.sum(q1 * q1, 1)
-        sq2 += tl.sum(q2 * q2, 1)
-        sq3 += tl.sum(q3 * q3, 1)
-        # off-diagonal blocks: column tile S carried to the end of its tile, then to row tile R's start
-        e0 = k0 * tl.exp(c1[None, :] - G0)
-        e1 = k1 * tl.exp(c2[None, :] - G1)
-        e2 = k2 * tl.exp(c3[None, :] - G2)
-        f = tl.exp(G1 - c1[None, :])
-        kk10, qk10 = pair_scores(kk10, qk10, k1 * f, q1 * f, e0, MMA)
-        f = tl.exp(G2 - c2[None, :])
-        kk20, qk20 = pair_scores(kk20, qk20, k2 * f, q2 * f, e0 * tl.exp(c2 - c1)[None, :], MMA)
-        kk21, qk21 = pair_scores(kk21, qk21, k2 * f, q2 * f, e1, MMA)
-        f = tl.exp(G3 - c3[None, :])
-        kk30, qk30 = pair_scores(kk30, qk30, k3 * f, q3 * f, e0 * tl.exp(c3 - c1)[None, :], MMA)
-        kk31, qk31 = pair_scores(kk31, qk31, k3 * f, q3 * f, e1 * tl.exp(c3 - c2)[None, :], MMA)
-        kk32, qk32 = pair_scores(kk32, qk32, k3 * f, q3 * f, e2, MMA)
-        kk00, qk00 = diag_scores(kk00, qk00, k0, q0, G0, tl.zeros_like(c1), c1, FAST_DIAG, MMA)
-        kk11, qk11 = diag_scores(kk11, qk11, k1, q1, G1, c1, c2, FAST_DIAG, MMA)
-        kk22, qk22 = diag_scores(kk22, qk22, k2, q2, G2, c2, c3, FAST_DIAG, MMA)
-        kk33, qk33 = diag_scores(kk33, qk33, k3, q3, G3, c3, c4, FAST_DIAG, MMA)
-    return (kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33,
-            qk00, qk10, qk11, qk20, qk21, qk22, qk30, qk31, qk32, qk33, sk0, sk1, sk2, sk3, sq0, sq1, sq2, sq3)
+        pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
+        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
+        ga = tl.where(mk, gate(tl.load(g + pk, mask=mk, other=0.0).to(tl.float32), bias, a, lb, BOUNDED), 0.0)
+        G = tl.cumsum(ga, 0)
+        kt = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
+        qt = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
+        sk += tl.sum(kt * kt, 1)
+        sq += tl.sum(qt * qt, 1)
+        # decay at the end of each row tile (c1..c4) and at its start (c0 = 0, c1, c2, c3)
+        c1 = tl.sum(tl.where((o_t == 15)[:, None], G, 0.0), 0)
+        c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
+        c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
+        c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
+        r0 = tile_reference(tl.zeros_like(c1), c1, FAST_DIAG)
+        r1 = tile_reference(c1, c2, FAST_DIAG)
+        r2 = tile_reference(c2, c3, FAST_DIAG)
+        r3 = tile_reference(c3, c4, FAST_DIAG)
+        rows = tl.where((tile == 0)[:, None], r0[None, :], tl.where((tile == 1)[:, None], r1[None, :],
+                        tl.where((tile == 2)[:, None], r2[None, :], r3[None, :])))
+        f = tl.exp(G - rows)  # row factor of every row against its own tile's reference
+        kf = kt * f
+        qf = qt * f
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, FAST_DIAG, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r1, 1, tile, FAST_DIAG, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r2, 2, tile, FAST_DIAG, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, FAST_DIAG, MMA)
+        if not FAST_DIAG:
+            kk, qk = diagonal_scores(kk, qk, kt, qt, G)
+    return kk, qk, sk, sq
 
 
 @triton.jit
-def _wy_rows(aw_0, aw_1, aw_2, aw_3, x0, x1, x2, x3, MMA: tl.constexpr):
-    """sum_S aw_S x_S: one row tile of (T diag(beta)) X from its four [16, 16] blocks ([16, D] operands)."""
-    acc = tl.dot(aw_0, x0.to(MMA))
-    acc = tl.dot(aw_1, x1.to(MMA), acc)
-    acc = tl.dot(aw_2, x2.to(MMA), acc)
-    return tl.dot(aw_3, x3.to(MMA), acc)
+def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
+    """Add row tile R's scores: rows of tile R of (kf, qf) times the columns it may see, k_j e^(r - G_j)."""
+    o_t = tl.arange(0, 64)
+    if FAST_DIAG:
+        seen = o_t < 16 * (R + 1)  # its own tile too: the bounded gate keeps both factors finite
+    else:
+        seen = o_t < 16 * R  # the tiles before it; the diagonal block goes through diagonal_scores
+    col = (kt * tl.exp(tl.where(seen[:, None], r[None, :] - G, float("-inf")))).to(MMA)
+    own = (tile == R)[:, None]
+    kk = tl.dot(tl.where(own, kf, 0.0).to(MMA), tl.trans(col), kk)
+    qk = tl.dot(tl.where(own, qf, 0.0).to(MMA), tl.trans(col), qk)
+    return kk, qk
 
 
 @triton.jit
@@ -96,49 +100,24 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, g
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        (kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33,
-         qk00, qk10, qk11, qk20, qk21, qk22, qk30, qk31, qk32, qk33, sk0, sk1, sk2, sk3, sq0, sq1, sq2, sq3) = _scores(
-            q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
-        rk0, rk1, rk2, rk3 = tl.rsqrt(sk0 + 1e-6), tl.rsqrt(sk1 + 1e-6), tl.rsqrt(sk2 + 1e-6), tl.rsqrt(sk3 + 1e-6)
-        rq0, rq1 = tl.rsqrt(sq0 + 1e-6) * scale, tl.rsqrt(sq1 + 1e-6) * scale
-        rq2, rq3 = tl.rsqrt(sq2 + 1e-6) * scale, tl.rsqrt(sq3 + 1e-6) * scale
-        b0 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 0, H))
-        b1 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 1, H))
-        b2 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 2, H))
-        b3 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 3, H))
+        kk, qk, sk, sq = _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
+        o_c = tl.arange(0, BT)
+        m_r = t0 + o_c < L
+        rk = tl.rsqrt(sk + 1e-6)
+        rq = tl.rsqrt(sq + 1e-6) * scale
+        b = tl.sigmoid(tl.load(beta + ((bos + t0 + o_c) * H + i_h).to(tl.int64), mask=m_r, other=0.0).to(tl.float32))
+        # A_qk = diag(rq) qk diag(rk), causal
+        p64, m64 = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
+        Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * rq[:, None] * rk[None, :], 0.0)
+        tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
+        Lm = tl.where(o_c[None, :] < o_c[:, None], kk * (b * rk)[:, None] * rk[None, :], 0.0)
+        l00, l10, l11, l20, l21, l22, l30, l31, l32, l33 = lower_blocks(Lm)
 
-        # A_qk = diag(rq) qk diag(rk), causal; stored as [16, 16] blocks of its [64, 64] (zeros above)
-        o_b = tl.arange(0, 16)
-        z = tl.zeros((16, 16), dtype=tl.float32)
-        store_tile(Aqb, causal_mask(qk00, False) * rq0[:, None] * rk0[None, :], bos, t0, L, i_h, 0, o_b, H, BT)
-        store_tile(Aqb, z, bos, t0, L, i_h, 0, 16 + o_b, H, BT)
-        store_tile(Aqb, z, bos, t0, L, i_h, 0, 32 + o_b, H, BT)
-        store_tile(Aqb, z, bos, t0, L, i_h, 0, 48 + o_b, H, BT)
-        store_tile(Aqb, qk10 * rq1[:, None] * rk0[None, :], bos, t0, L, i_h, 1, o_b, H, BT)
-        store_tile(Aqb, causal_mask(qk11, False) * rq1[:, None] * rk1[None, :], bos, t0, L, i_h, 1, 16 + o_b, H, BT)
-        store_tile(Aqb, z, bos, t0, L, i_h, 1, 32 + o_b, H, BT)
-        store_tile(Aqb, z, bos, t0, L, i_h, 1, 48 + o_b, H, BT)
-        store_tile(Aqb, qk20 * rq2[:, None] * rk0[None, :], bos, t0, L, i_h, 2, o_b, H, BT)
-        store_tile(Aqb, qk21 * rq2[:, None] * rk1[None, :], bos, t0, L, i_h, 2, 16 + o_b, H, BT)
-        store_tile(Aqb, causal_mask(qk22, False) * rq2[:, None] * rk2[None, :], bos, t0, L, i_h, 2, 32 + o_b, H, BT)
-        store_tile(Aqb, z, bos, t0, L, i_h, 2, 48 + o_b, H, BT)
-        store_tile(Aqb, qk30 * rq3[:, None] * rk0[None, :], bos, t0, L, i_h, 3, o_b, H, BT)
-        store_tile(Aqb, qk31 * rq3[:, None] * rk1[None, :], bos, t0, L, i_h, 3, 16 + o_b, H, BT)
-        store_tile(Aqb, qk32 * rq3[:, None] * rk2[None, :], bos, t0, L, i_h, 3, 32 + o_b, H, BT)
-        store_tile(Aqb, causal_mask(qk33, False) * rq3[:, None] * rk3[None, :], bos, t0, L, i_h, 3, 48 + o_b, H, BT)
-
-        # L = diag(beta) A_kk (strictly causal) and T = (I + L)^-1, by blocks: T_RR = (I + L_RR)^-1,
-        # T_RS = -T_RR sum_{S <= P < R} L_RP T_PS
-        l10 = kk10 * (b1 * rk1)[:, None] * rk0[None, :]
-        l20 = kk20 * (b2 * rk2)[:, None] * rk0[None, :]
-        l21 = kk21 * (b2 * rk2)[:, None] * rk1[None, :]
-        l30 = kk30 * (b3 * rk3)[:, None] * rk0[None, :]
-        l31 = kk31 * (b3 * rk3)[:, None] * rk1[None, :]
-        l32 = kk32 * (b3 * rk3)[:, None] * rk2[None, :]
-        t00 = unit_lower_inverse(causal_mask(kk00, True) * (b0 * rk0)[:, None] * rk0[None, :], INV_PREC)
-        t11 = unit_lower_inverse(causal_mask(kk11, True) * (b1 * rk1)[:, None] * rk1[None, :], INV_PREC)
-        t22 = unit_lower_inverse(causal_mask(kk22, True) * (b2 * rk2)[:, None] * rk2[None, :], INV_PREC)
-        t33 = unit_lower_inverse(causal_mask(kk33, True) * (b3 * rk3)[:, None] * rk3[None, :], INV_PREC)
+        # T = (I + L)^-1 by blocks: T_RR = (I + L_RR)^-1, T_RS = -T_RR sum_{S <= P < R} L_RP T_PS
+        t00 = unit_lower_inverse(l00, INV_PREC)
+        t11 = unit_lower_inverse(l11, INV_PREC)
+        t22 = unit_lower_inverse(l22, INV_PREC)
+        t33 = unit_lower_inverse(l33, INV_PREC)
         t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=INV_PREC), input_precision=INV_PREC)
         t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=INV_PREC), input_precision=INV_PREC)
         t20 = -tl.dot(t22, tl.dot(l21, t10, tl.dot(l20, t00, input_precision=INV_PREC), input_precision=INV_PREC),
@@ -148,66 +127,31 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, g
                       input_precision=INV_PREC)
         acc = tl.dot(l31, t10, tl.dot(l30, t00, input_precision=INV_PREC), input_precision=INV_PREC)
         t30 = -tl.dot(t33, tl.dot(l32, t20, acc, input_precision=INV_PREC), input_precision=INV_PREC)
-        if STORE_T:
-            store_tile(Tb, t00, bos, t0, L, i_h, 0, o_b, H, BT)
-            store_tile(Tb, z, bos, t0, L, i_h, 0, 16 + o_b, H, BT)
-            store_tile(Tb, z, bos, t0, L, i_h, 0, 32 + o_b, H, BT)
-            store_tile(Tb, z, bos, t0, L, i_h, 0, 48 + o_b, H, BT)
-            store_tile(Tb, t10, bos, t0, L, i_h, 1, o_b, H, BT)
-            store_tile(Tb, t11, bos, t0, L, i_h, 1, 16 + o_b, H, BT)
-            store_tile(Tb, z, bos, t0, L, i_h, 1, 32 + o_b, H, BT)
-            store_tile(Tb, z, bos, t0, L, i_h, 1, 48 + o_b, H, BT)
-            store_tile(Tb, t20, bos, t0, L, i_h, 2, o_b, H, BT)
-            store_tile(Tb, t21, bos, t0, L, i_h, 2, 16 + o_b, H, BT)
-            store_tile(Tb, t22, bos, t0, L, i_h, 2, 32 + o_b, H, BT)
-            store_tile(Tb, z, bos, t0, L, i_h, 2, 48 + o_b, H, BT)
-            store_tile(Tb, t30, bos, t0, L, i_h, 3, o_b, H, BT)
-            store_tile(Tb, t31, bos, t0, L, i_h, 3, 16 + o_b, H, BT)
-            store_tile(Tb, t32, bos, t0, L, i_h, 3, 32 + o_b, H, BT)
-            store_tile(Tb, t33, bos, t0, L, i_h, 3, 48 + o_b, H, BT)
-        # T diag(beta) as MMA operands (zero blocks above the diagonal)
-        zm = z.to(MMA)
-        w00 = (t00 * b0[None, :]).to(MMA)
-        w10, w11 = (t10 * b0[None, :]).to(MMA), (t11 * b1[None, :]).to(MMA)
-        w20, w21, w22 = (t20 * b0[None, :]).to(MMA), (t21 * b1[None, :]).to(MMA), (t22 * b2[None, :]).to(MMA)
-        w30, w31 = (t30 * b0[None, :]).to(MMA), (t31 * b1[None, :]).to(MMA)
-        w32, w33 = (t32 * b2[None, :]).to(MMA), (t33 * b3[None, :]).to(MMA)
 
+        Tm = lower_block_matrix(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
+        if STORE_T:
+            tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
+        Aw = (Tm * b[None, :]).to(MMA)  # T diag(beta)
+        rk = rk[:, None]
+        rq = rq[:, None]
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
-            G0, G1, G2, G3, c1, c2, c3, c4 = decay_tiles(g, dt_bias, a, lb, bos, t0, L, i_h, o_k, H, K, BOUNDED)
-            n0 = load_tile(k, bos, t0, L, i_h, 0, o_k, H, K) * rk0[:, None]
-            n1 = load_tile(k, bos, t0, L, i_h, 1, o_k, H, K) * rk1[:, None]
-            n2 = load_tile(k, bos, t0, L, i_h, 2, o_k, H, K) * rk2[:, None]
-            n3 = load_tile(k, bos, t0, L, i_h, 3, o_k, H, K) * rk3[:, None]
-            x0, x1, x2, x3 = n0 * tl.exp(G0), n1 * tl.exp(G1), n2 * tl.exp(G2), n3 * tl.exp(G3)
-            store_tile(Wb, _wy_rows(w00, zm, zm, zm, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 0, o_k, H, K)
-            store_tile(Wb, _wy_rows(w10, w11, zm, zm, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 1, o_k, H, K)
-            store_tile(Wb, _wy_rows(w20, w21, w22, zm, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 2, o_k, H, K)
-            store_tile(Wb, _wy_rows(w30, w31, w32, w33, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 3, o_k, H, K)
-            store_tile(Kdb, n0 * tl.exp(c4[None, :] - G0), bos, t0, L, i_h, 0, o_k, H, K)
-            store_tile(Kdb, n1 * tl.exp(c4[None, :] - G1), bos, t0, L, i_h, 1, o_k, H, K)
-            store_tile(Kdb, n2 * tl.exp(c4[None, :] - G2), bos, t0, L, i_h, 2, o_k, H, K)
-            store_tile(Kdb, n3 * tl.exp(c4[None, :] - G3), bos, t0, L, i_h, 3, o_k, H, K)
-            store_tile(Qgb, load_tile(q, bos, t0, L, i_h, 0, o_k, H, K) * rq0[:, None] * tl.exp(G0),
-                       bos, t0, L, i_h, 0, o_k, H, K)
-            store_tile(Qgb, load_tile(q, bos, t0, L, i_h, 1, o_k, H, K) * rq1[:, None] * tl.exp(G1),
-                       bos, t0, L, i_h, 1, o_k, H, K)
-            store_tile(Qgb, load_tile(q, bos, t0, L, i_h, 2, o_k, H, K) * rq2[:, None] * tl.exp(G2),
-                       bos, t0, L, i_h, 2, o_k, H, K)
-            store_tile(Qgb, load_tile(q, bos, t0, L, i_h, 3, o_k, H, K) * rq3[:, None] * tl.exp(G3),
-                       bos, t0, L, i_h, 3, o_k, H, K)
-            tl.store(gam + (i_p * H + i_h).to(tl.int64) * K + o_k, tl.exp(c4))
+            pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
+            bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
+            ga = tl.where(mk, gate(tl.load(g + pk, mask=mk, other=0.0).to(tl.float32), bias, a, lb, BOUNDED), 0.0)
+            G = tl.cumsum(ga, 0)
+            Gend = tl.sum(ga, 0)
+            kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk
+            eG = tl.exp(G)
+            tl.store(Wb + pk, tl.dot(Aw, (kn * eG).to(MMA)).to(Wb.dtype.element_ty), mask=mk)
+            tl.store(Kdb + pk, (kn * tl.exp(Gend[None, :] - G)).to(Kdb.dtype.element_ty), mask=mk)
+            tl.store(Qgb + pk, (tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * rq * eG).to(Qgb.dtype.element_ty),
+                     mask=mk)
+            tl.store(gam + (i_p * H + i_h).to(tl.int64) * K + o_k, tl.exp(Gend))
         for vb in range(0, V, BV):
-            o_v = vb + tl.arange(0, BV)
-            x0 = load_tile(v, bos, t0, L, i_h, 0, o_v, H, V)
-            x1 = load_tile(v, bos, t0, L, i_h, 1, o_v, H, V)
-            x2 = load_tile(v, bos, t0, L, i_h, 2, o_v, H, V)
-            x3 = load_tile(v, bos, t0, L, i_h, 3, o_v, H, V)
-            store_tile(Ub, _wy_rows(w00, zm, zm, zm, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 0, o_v, H, V)
-            store_tile(Ub, _wy_rows(w10, w11, zm, zm, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 1, o_v, H, V)
-            store_tile(Ub, _wy_rows(w20, w21, w22, zm, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 2, o_v, H, V)
-            store_tile(Ub, _wy_rows(w30, w31, w32, w33, x0, x1, x2, x3, MMA), bos, t0, L, i_h, 3, o_v, H, V)
+            pv, mv = chunk_offsets64(bos, t0, L, i_h, vb + tl.arange(0, BV), H, V)
+            u = tl.dot(Aw, tl.load(v + pv, mask=mv, other=0.0).to(MMA))
+            tl.store(Ub + pv, u.to(Ub.dtype.element_ty), mask=mv)
 
 
 @triton.jit
@@ -268,9 +212,9 @@ def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
     Returns chunk_indices [NS, 2] int32 (sequence, chunk) per slot, -1 for unused slots,
     chunk_offsets [N] int32 (first slot of each sequence) and NS = cdiv(T, 64) + N."""
     N = cu_seqlens.numel() - 1
-    NS = triton.cdiv(T, BT) + N
+    NS = triton.cdiv(T, BT.value) + N
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    nch = (lens + BT - 1) // BT
+    nch = (lens + BT.value - 1) // BT.value
     ends = torch.cumsum(nch, 0)
     offs = ends - nch
     p = torch.arange(NS, device=cu_seqlens.device)
@@ -298,7 +242,7 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         N = cu_seqlens.numel() - 1
     else:
         chunk_indices = chunk_offsets = None
-        NS = B * triton.cdiv(T, BT)
+        NS = B * triton.cdiv(T, BT.value)
         N = B
     sd = storage_dtype(v)
     MMA = mm_dtype(v)
@@ -306,7 +250,7 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
-    Aqk = torch.empty(B, T, H, BT, device=dev, dtype=sd)
+    Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
     Tm = torch.empty_like(Aqk) if for_backward else None
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
     BOUNDED = gate_lower_bound is not None

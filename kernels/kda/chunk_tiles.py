@@ -5,20 +5,21 @@ by tile (``decay_tiles``), always in the same order, so the forward and the back
 bit-identical values. ``c_R`` is the decay at the end of tile ``R - 1`` (``c_0 = 0``, ``c_4 = G_end``).
 
 Decay between two tokens, ``exp(G_i - G_j)`` with ``i >= j``, is only ever formed as a product of
-two factors that cannot overflow, so that every causal 16x16 block is one tensor-core ``tl.dot``:
+two factors that cannot overflow, split at a reference ``r_R`` of the row tile R that holds ``i``:
+``exp(G_i - r_R) * exp(r_R - G_j)``. So every row tile of a score matrix is one tensor-core GEMM:
 
-* off-diagonal block (row tile R, column tile S < R): ``exp(G_i - c_R) * exp(c_R - G_j)``, both <= 1,
-  for any gate;
-* diagonal block, bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``): the reference is the
-  tile's mid decay ``m_R``, both factors lie within ``exp(8 * 5.9)``;
-* diagonal block, unbounded softplus gate: one column at a time with the pairwise decay (the safe
+* bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``): ``r_R`` is the tile's mid decay; within the
+  tile both factors lie within ``exp(8 * 5.9)`` and columns before it only shrink, so the diagonal block is
+  in the GEMM too;
+* unbounded softplus gate: ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns
+  before the tile, and the diagonal block is summed one column at a time with the pairwise decay (the safe
   path the bounded gate exists to avoid).
 """
 
 import triton
 import triton.language as tl
 
-BT = 64  # chunk length
+BT = tl.constexpr(64)  # chunk length (a constexpr so kernels can read it; host code uses BT.value)
 SAFE_LOWER_BOUND = 5.9  # |gate_lower_bound| up to which the diagonal tiles are dense GEMMs
 
 
@@ -102,31 +103,37 @@ def _gate_tile(g, bias, a, lb, bos, t0, L, i_h, R: tl.constexpr, o_k, H: tl.cons
 
 
 @triton.jit
-def pair_scores(akk, aqk, rk, rq, col, MMA: tl.constexpr):
-    """One [16, 16] block of both score matrices: akk += rk col^T, aqk += rq col^T ([16, BK] operands)."""
-    ct = tl.trans(col.to(MMA))
-    return tl.dot(rk.to(MMA), ct, akk), tl.dot(rq.to(MMA), ct, aqk)
+def tile_reference(c_lo, c_hi, FAST_DIAG: tl.constexpr):
+    """The decay reference r_R of a row tile spanning decays [c_lo, c_hi]: its mid decay when the diagonal block
+    is a GEMM (bounded gate), else its start (every factor <= 1)."""
+    if FAST_DIAG:
+        r = 0.5 * (c_lo + c_hi)
+    else:
+        r = c_lo
+    return r
 
 
 @triton.jit
-def diag_scores(akk, aqk, kt, qt, Gt, c_lo, c_hi, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
-    """The diagonal block of tile [c_lo, c_hi]: akk += sum_d k_id k_jd e^(G_id - G_jd), same for q (all i, j;
-    the caller masks the non-causal half)."""
-    if FAST_DIAG:
-        m = 0.5 * (c_lo + c_hi)
-        fr = tl.exp(Gt - m[None, :])
-        akk, aqk = pair_scores(akk, aqk, kt * fr, qt * fr, kt * tl.exp(m[None, :] - Gt), MMA)
-    else:
-        o_i = tl.arange(0, 16)
-        for j in range(16):
-            sel = (o_i == j)[:, None]
-            kj = tl.sum(tl.where(sel, kt, 0.0), 0)
-            Gj = tl.sum(tl.where(sel, Gt, 0.0), 0)
-            e = tl.exp(tl.where((o_i >= j)[:, None], Gt - Gj[None, :], float("-inf"))) * kj[None, :]
-            col = (o_i == j)[None, :]
-            akk += tl.where(col, tl.sum(kt * e, 1)[:, None], 0.0)
-            aqk += tl.where(col, tl.sum(qt * e, 1)[:, None], 0.0)
-    return akk, aqk
+def _tile_row(x, sel):
+    """[64, N]: the row of each 16-row tile that ``sel`` marks, repeated over that tile's rows."""
+    N: tl.constexpr = x.shape[1]
+    x3 = tl.sum(tl.reshape(tl.where(sel, x, 0.0), (4, 16, N)), 1)
+    return tl.reshape(tl.broadcast_to(x3[:, None, :], (4, 16, N)), (64, N))
+
+
+@triton.jit
+def diagonal_scores(kk, qk, kt, qt, G):
+    """Add the four diagonal [16, 16] blocks of kk and qk ([64, 64]) for an unbounded gate: one column of every
+    block at a time, with the pairwise decay e^(G_i - G_j) <= 1 formed directly (the safe path)."""
+    o_t = tl.arange(0, 64)
+    pos = o_t % 16
+    for jj in range(16):
+        sel = (pos == jj)[:, None]
+        e = tl.exp(tl.where((pos >= jj)[:, None], G - _tile_row(G, sel), float("-inf"))) * _tile_row(kt, sel)
+        col = o_t[None, :] == (o_t - pos + jj)[:, None]  # column 16 * tile(i) + jj of row i
+        kk += tl.where(col, tl.sum(kt * e, 1)[:, None], 0.0)
+        qk += tl.where(col, tl.sum(qt * e, 1)[:, None], 0.0)
+    return kk, qk
 
 
 @triton.jit
@@ -138,6 +145,64 @@ def causal_mask(x, STRICT: tl.constexpr):
     else:
         keep = o_i[None, :] <= o_i[:, None]
     return tl.where(keep, x, 0.0)
+
+
+@triton.jit
+def _side_by_side(x0, x1, x2, x3):
+    """Four [16, 16] blocks in a row: [16, 64]."""
+    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [16, 16, 2(lo), 2(hi)]: block 2 * hi + lo
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (16, 64))
+
+
+@triton.jit
+def stack_rows(x0, x1, x2, x3):
+    """Four [16, N] row tiles on top of each other: [64, N]."""
+    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [16, N, 2(lo), 2(hi)]: tile 2 * hi + lo
+    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (64, x0.shape[1]))
+
+
+@triton.jit
+def stack_vectors(x0, x1, x2, x3):
+    """Four [16] vectors end to end: [64]."""
+    return tl.reshape(stack_rows(x0[:, None], x1[:, None], x2[:, None], x3[:, None]), (64,))
+
+
+@triton.jit
+def _four_blocks(r):
+    """[16, 16, 2(cl), 2(ch)] -> its four [16, 16] blocks, S = 2 ch + cl in order."""
+    lo, hi = tl.split(r)
+    b0, b1 = tl.split(lo)
+    b2, b3 = tl.split(hi)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def lower_blocks(M):
+    """The ten [16, 16] blocks on and below the diagonal of a [64, 64] matrix: M00, M10, M11, M20, ..., M33."""
+    x = tl.permute(tl.reshape(M, (2, 2, 16, 2, 2, 16)), (2, 5, 4, 3, 1, 0))  # [i, j, cl, ch, rl, rh]
+    top, bottom = tl.split(x)
+    r0, r1 = tl.split(top)  # row tiles R = 2 rh + rl: [16, 16, 2(cl), 2(ch)]
+    r2, r3 = tl.split(bottom)
+    b00, _, _, _ = _four_blocks(r0)
+    b10, b11, _, _ = _four_blocks(r1)
+    b20, b21, b22, _ = _four_blocks(r2)
+    b30, b31, b32, b33 = _four_blocks(r3)
+    return b00, b10, b11, b20, b21, b22, b30, b31, b32, b33
+
+
+@triton.jit
+def lower_block_matrix(b00, b10, b11, b20, b21, b22, b30, b31, b32, b33):
+    """The [64, 64] matrix with these [16, 16] blocks on and below the diagonal, zeros above."""
+    z = tl.zeros_like(b00)
+    return stack_rows(_side_by_side(b00, z, z, z), _side_by_side(b10, b11, z, z), _side_by_side(b20, b21, b22, z),
+                      _side_by_side(b30, b31, b32, b33))
+
+
+@triton.jit
+def chunk_offsets64(bos, t0, L, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
+    """Element offsets [64, len(o_d)] of one chunk of a [B, T, H, D] tensor and its row mask [64, 1]."""
+    o_t = t0 + tl.arange(0, 64)
+    return ((bos + o_t) * H + i_h).to(tl.int64)[:, None] * D + o_d[None, :], (o_t < L)[:, None]
 
 
 @triton.jit

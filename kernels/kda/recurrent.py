@@ -18,6 +18,9 @@ import triton.language as tl
 
 from .chunk_tiles import gate as _gate
 
+# launch knobs (benchmarks/kda.py times the alternatives at batch 256)
+CONFIG = dict(bv=32, warps=4)
+
 
 @triton.jit
 def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
@@ -50,11 +53,11 @@ def kda_decode_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
     B, H, K, V = state.shape
     o = torch.empty(B, H, V, device=v.device, dtype=v.dtype)
-    BV = min(V, 32)
+    BV = min(V, CONFIG["bv"])
     _decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, A_log, dt_bias, state, o, scale,
         float(gate_lower_bound) if gate_lower_bound is not None else 0.0,
-        H=H, K=K, V=V, BV=BV, BOUNDED=gate_lower_bound is not None, num_warps=4)
+        H=H, K=K, V=V, BV=BV, BOUNDED=gate_lower_bound is not None, num_warps=CONFIG["warps"])
     return o
 
 
