@@ -21,11 +21,11 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype
-from .chunk_tiles import (BT, causal_mask, chunk_coords, chunk_offsets64, decay_tiles, fast_diag, gate, load_rows,
-                          load_tile, seq_coords, store_rows, store_tile, tile_offsets)
+from .chunk_tiles import (BT, chunk_coords, chunk_offsets64, diagonal_grads, fast_diag, gate, seq_coords,
+                          tile_reference)
 
 # launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
-CONFIG = dict(scan_bv=32, scan_warps=4, state_warps=8, state_bk=32, state_bv=32, gate_warps=4, gate_bk=32,
+CONFIG = dict(scan_bv=32, scan_warps=4, state_warps=8, state_bk=32, state_bv=32, gate_warps=8, gate_bk=16,
               stop_after=None)
 
 
@@ -157,81 +157,37 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
 
 
 @triton.jit
-def _load_block(x, bos, t0, L, i_h, R: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
-    """Block (R, S) [16, 16] of a per-chunk [64, 64] matrix stored as [B, T, H, 64] rows."""
-    return load_tile(x, bos, t0, L, i_h, R, S * 16 + tl.arange(0, 16), H, BT)
-
-
-@triton.jit
-def _diag_grads(rl, rq, dl, dq_, kn, bk, qn, Gt, c_lo, c_hi, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
-    """Diagonal block of one tile: row sums rl += sum_j dL_ij kn_j e^(G_i - G_j), rq (dA_qk, same), and the
-    column sums C_j = sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j) (bk = beta * kn)."""
+def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr,
+                    MMA: tl.constexpr):
+    """Row tile R's share of the score gradients, with the forward's factoring (``chunk_fwd._row_tile_scores``):
+    rows of tile R: ``rl_i += sum_j dL_ij k_j e^(r - G_j)``, ``rq_i`` likewise with dA_qk (row factor applied
+    later); columns: ``C_j += e^(r - G_j) sum_{i in R} (dL_ij b_i kn_i + dA_ij qn_i) e^(G_i - r)``.
+    dl, da are dL and dA_qk as MMA operands, dlt, dat their transposes."""
+    o_t = tl.arange(0, 64)
     if FAST_DIAG:
-        m = 0.5 * (c_lo + c_hi)
-        fr = tl.exp(Gt - m[None, :])
-        fc = tl.exp(m[None, :] - Gt)
-        col = (kn * fc).to(MMA)
-        rl += fr * tl.dot(dl.to(MMA), col)
-        rq += fr * tl.dot(dq_.to(MMA), col)
-        C = fc * tl.dot(tl.trans(dl.to(MMA)), (bk * fr).to(MMA), tl.dot(tl.trans(dq_.to(MMA)), (qn * fr).to(MMA)))
+        seen = o_t < 16 * (R + 1)
     else:
-        o_i = tl.arange(0, 16)
-        C = tl.zeros_like(rl)
-        for j in range(16):
-            sel = (o_i == j)[:, None]
-            kj = tl.sum(tl.where(sel, kn, 0.0), 0)
-            Gj = tl.sum(tl.where(sel, Gt, 0.0), 0)
-            e = tl.exp(tl.where((o_i >= j)[:, None], Gt - Gj[None, :], float("-inf")))  # [16, BK]
-            pl = tl.sum(tl.where((o_i == j)[None, :], dl, 0.0), 1)  # column j of the block
-            pq = tl.sum(tl.where((o_i == j)[None, :], dq_, 0.0), 1)
-            rl += pl[:, None] * e * kj[None, :]
-            rq += pq[:, None] * e * kj[None, :]
-            C += tl.where(sel, tl.sum((pl[:, None] * bk + pq[:, None] * qn) * e, 0)[None, :], 0.0)
+        seen = o_t < 16 * R
+    cf = tl.exp(tl.where(seen[:, None], r[None, :] - G, float("-inf")))
+    col = (kn * cf).to(MMA)
+    own = (tile == R)[:, None]
+    rl = tl.where(own, tl.dot(dl, col), rl)
+    rq = tl.where(own, tl.dot(da, col), rq)
+    C += cf * tl.dot(dlt, tl.where(own, bkf, 0.0).to(MMA), tl.dot(dat, tl.where(own, qf, 0.0).to(MMA)))
     return rl, rq, C
 
 
 @triton.jit
-def _col_dot(acc, dl, dq_, bk, qn, f, MMA: tl.constexpr):
-    """acc + dL_RS^T (bk_R f) + dA_RS^T (qn_R f): column-side sums of block (R, S) with row factor f."""
-    acc = tl.dot(tl.trans(dl.to(MMA)), (bk * f).to(MMA), acc)
-    return tl.dot(tl.trans(dq_.to(MMA)), (qn * f).to(MMA), acc)
-
-
-@triton.jit
-def _tile_grads(rl, rq, C, kn, qn, bb, Gt, dqn_s, dkn_s, dG_s, bos, t0, L, i_h, R: tl.constexpr, o_k,
-                H: tl.constexpr, K: tl.constexpr):
-    """Total dkn, dqn, dG of tile R (score terms + the direct terms in scratch), and sum_d kn dL-row (for dbeta)."""
-    dkn = bb[:, None] * rl + C + load_tile(dkn_s, bos, t0, L, i_h, R, o_k, H, K)
-    dqn = rq + load_tile(dqn_s, bos, t0, L, i_h, R, o_k, H, K)
-    dG = kn * (bb[:, None] * rl - C) + qn * rq + load_tile(dG_s, bos, t0, L, i_h, R, o_k, H, K)
-    return dkn, dqn, dG, tl.sum(kn * rl, 1)
-
-
-@triton.jit
-def _gate_back(dga, g, dt_bias, a, lb, bos, t0, L, i_h, R: tl.constexpr, o_k, dg, H: tl.constexpr,
-               K: tl.constexpr, BOUNDED: tl.constexpr):
-    """Store dg of tile R from the decay gradient; return the column sums of dz (-> ddt_bias) and of the
-    dA_log terms ([BK] each)."""
-    p, m = tile_offsets(bos, t0, L, i_h, R, o_k, H, K)
-    z = tl.load(g + p, mask=m[:, None], other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
-    dga = tl.where(m[:, None], dga, 0.0)
+def _gate_back(dga, z, a, lb, BOUNDED: tl.constexpr):
+    """The gate's backward: (dz, the dA_log term) from the decay gradient dga at logits z = g + dt_bias."""
     if BOUNDED:
         s = tl.sigmoid(a * z)
         dz = dga * (lb * a) * s * (1.0 - s)
-        dal = tl.sum(dz * z, 0)
+        dal = dz * z
     else:
         dz = dga * (-a) * tl.sigmoid(z)
-        dal = tl.sum(dga * gate(z, 0.0, a, lb, BOUNDED), 0)
-    tl.store(dg + p, dz.to(dg.dtype.element_ty), mask=m[:, None])
-    return tl.sum(dz, 0), dal
-
-
-@triton.jit
-def _norm_back(dx_s, x, r, scale, bos, t0, L, i_h, R: tl.constexpr, o_k, rho, dx, H: tl.constexpr, K: tl.constexpr):
-    """dx = r (scale * dxn - n rho) for xn = scale * x * r (n = x * r, rho = sum xn dxn)."""
-    n = load_tile(x, bos, t0, L, i_h, R, o_k, H, K) * r[:, None]
-    dxn = load_tile(dx_s, bos, t0, L, i_h, R, o_k, H, K)
-    store_tile(dx, r[:, None] * (scale * dxn - n * rho[:, None]), bos, t0, L, i_h, R, o_k, H, K)
+        dal = dga * gate(z, 0.0, a, lb, BOUNDED)
+    return dz, dal
 
 
 @triton.jit
@@ -244,152 +200,98 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         slot = (i_p * H + i_h).to(tl.int64)
-        s = tl.zeros((16,), dtype=tl.float32)
-        sk0, sk1, sk2, sk3, sq0, sq1, sq2, sq3 = s, s, s, s, s, s, s, s
+        o_t = tl.arange(0, BT)
+        tile = o_t // 16
+        m_r = t0 + o_t < L
+        tok = ((bos + t0 + o_t) * H + i_h).to(tl.int64)
+        sk = tl.zeros((BT,), dtype=tl.float32)
+        sq = tl.zeros((BT,), dtype=tl.float32)
         for kb in range(0, K, BK):
-            o_k = kb + tl.arange(0, BK)
-            x = load_tile(k, bos, t0, L, i_h, 0, o_k, H, K)
-            sk0 += tl.sum(x * x, 1)
-            x = load_tile(k, bos, t0, L, i_h, 1, o_k, H, K)
-            sk1 += tl.sum(x * x, 1)
-            x = load_tile(k, bos, t0, L, i_h, 2, o_k, H, K)
-            sk2 += tl.sum(x * x, 1)
-            x = load_tile(k, bos, t0, L, i_h, 3, o_k, H, K)
-            sk3 += tl.sum(x * x, 1)
-            x = load_tile(q, bos, t0, L, i_h, 0, o_k, H, K)
-            sq0 += tl.sum(x * x, 1)
-            x = load_tile(q, bos, t0, L, i_h, 1, o_k, H, K)
-            sq1 += tl.sum(x * x, 1)
-            x = load_tile(q, bos, t0, L, i_h, 2, o_k, H, K)
-            sq2 += tl.sum(x * x, 1)
-            x = load_tile(q, bos, t0, L, i_h, 3, o_k, H, K)
-            sq3 += tl.sum(x * x, 1)
-        rk0, rk1, rk2, rk3 = tl.rsqrt(sk0 + 1e-6), tl.rsqrt(sk1 + 1e-6), tl.rsqrt(sk2 + 1e-6), tl.rsqrt(sk3 + 1e-6)
-        nq0, nq1, nq2, nq3 = tl.rsqrt(sq0 + 1e-6), tl.rsqrt(sq1 + 1e-6), tl.rsqrt(sq2 + 1e-6), tl.rsqrt(sq3 + 1e-6)
-        b0 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 0, H))
-        b1 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 1, H))
-        b2 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 2, H))
-        b3 = tl.sigmoid(load_rows(beta, bos, t0, L, i_h, 3, H))
-        l00, l10, l11 = _load_block(dLb, bos, t0, L, i_h, 0, 0, H), _load_block(dLb, bos, t0, L, i_h, 1, 0, H), \
-            _load_block(dLb, bos, t0, L, i_h, 1, 1, H)
-        l20, l21, l22 = _load_block(dLb, bos, t0, L, i_h, 2, 0, H), _load_block(dLb, bos, t0, L, i_h, 2, 1, H), \
-            _load_block(dLb, bos, t0, L, i_h, 2, 2, H)
-        l30, l31 = _load_block(dLb, bos, t0, L, i_h, 3, 0, H), _load_block(dLb, bos, t0, L, i_h, 3, 1, H)
-        l32, l33 = _load_block(dLb, bos, t0, L, i_h, 3, 2, H), _load_block(dLb, bos, t0, L, i_h, 3, 3, H)
-        p00, p10, p11 = _load_block(dAqb, bos, t0, L, i_h, 0, 0, H), _load_block(dAqb, bos, t0, L, i_h, 1, 0, H), \
-            _load_block(dAqb, bos, t0, L, i_h, 1, 1, H)
-        p20, p21, p22 = _load_block(dAqb, bos, t0, L, i_h, 2, 0, H), _load_block(dAqb, bos, t0, L, i_h, 2, 1, H), \
-            _load_block(dAqb, bos, t0, L, i_h, 2, 2, H)
-        p30, p31 = _load_block(dAqb, bos, t0, L, i_h, 3, 0, H), _load_block(dAqb, bos, t0, L, i_h, 3, 1, H)
-        p32, p33 = _load_block(dAqb, bos, t0, L, i_h, 3, 2, H), _load_block(dAqb, bos, t0, L, i_h, 3, 3, H)
+            pk, mk = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
+            x = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
+            sk += tl.sum(x * x, 1)
+            x = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
+            sq += tl.sum(x * x, 1)
+        rk = tl.rsqrt(sk + 1e-6)
+        rq = tl.rsqrt(sq + 1e-6)
+        b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
+        pm, mm = chunk_offsets64(bos, t0, L, i_h, o_t, H, BT)
+        dl = tl.load(dLb + pm, mask=mm, other=0.0)
+        da = tl.load(dAqb + pm, mask=mm, other=0.0)
+        dlm, dam = dl.to(MMA), da.to(MMA)
+        dlt, dat = tl.trans(dlm), tl.trans(dam)
 
-        db0, db1, db2, db3 = s, s, s, s
-        rho_k0, rho_k1, rho_k2, rho_k3, rho_q0, rho_q1, rho_q2, rho_q3 = s, s, s, s, s, s, s, s
+        db = tl.zeros((BT,), dtype=tl.float32)
+        rho_k = tl.zeros((BT,), dtype=tl.float32)
+        rho_q = tl.zeros((BT,), dtype=tl.float32)
         dal = tl.zeros((BK,), dtype=tl.float32)
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
-            G0, G1, G2, G3, c1, c2, c3, c4 = decay_tiles(g, dt_bias, a, lb, bos, t0, L, i_h, o_k, H, K, BOUNDED)
-            kn0 = load_tile(k, bos, t0, L, i_h, 0, o_k, H, K) * rk0[:, None]
-            kn1 = load_tile(k, bos, t0, L, i_h, 1, o_k, H, K) * rk1[:, None]
-            kn2 = load_tile(k, bos, t0, L, i_h, 2, o_k, H, K) * rk2[:, None]
-            kn3 = load_tile(k, bos, t0, L, i_h, 3, o_k, H, K) * rk3[:, None]
-            qn0 = load_tile(q, bos, t0, L, i_h, 0, o_k, H, K) * (nq0 * scale)[:, None]
-            qn1 = load_tile(q, bos, t0, L, i_h, 1, o_k, H, K) * (nq1 * scale)[:, None]
-            qn2 = load_tile(q, bos, t0, L, i_h, 2, o_k, H, K) * (nq2 * scale)[:, None]
-            qn3 = load_tile(q, bos, t0, L, i_h, 3, o_k, H, K) * (nq3 * scale)[:, None]
-            bk0, bk1, bk2, bk3 = kn0 * b0[:, None], kn1 * b1[:, None], kn2 * b2[:, None], kn3 * b3[:, None]
-            # row side, off-diagonal blocks: the forward's column operands
-            e0 = (kn0 * tl.exp(c1[None, :] - G0)).to(MMA)
-            e1 = (kn1 * tl.exp(c2[None, :] - G1)).to(MMA)
-            e2 = (kn2 * tl.exp(c3[None, :] - G2)).to(MMA)
-            e20 = (kn0 * tl.exp(c1[None, :] - G0) * tl.exp(c2 - c1)[None, :]).to(MMA)
-            e30 = (kn0 * tl.exp(c1[None, :] - G0) * tl.exp(c3 - c1)[None, :]).to(MMA)
-            e31 = (kn1 * tl.exp(c2[None, :] - G1) * tl.exp(c3 - c2)[None, :]).to(MMA)
-            f1 = tl.exp(G1 - c1[None, :])
-            f2 = tl.exp(G2 - c2[None, :])
-            f3 = tl.exp(G3 - c3[None, :])
-            z = tl.zeros_like(G0)
-            rl1 = f1 * tl.dot(l10.to(MMA), e0)
-            rq1 = f1 * tl.dot(p10.to(MMA), e0)
-            rl2 = f2 * tl.dot(l21.to(MMA), e1, tl.dot(l20.to(MMA), e20))
-            rq2 = f2 * tl.dot(p21.to(MMA), e1, tl.dot(p20.to(MMA), e20))
-            rl3 = f3 * tl.dot(l32.to(MMA), e2, tl.dot(l31.to(MMA), e31, tl.dot(l30.to(MMA), e30)))
-            rq3 = f3 * tl.dot(p32.to(MMA), e2, tl.dot(p31.to(MMA), e31, tl.dot(p30.to(MMA), e30)))
-            # column side, off-diagonal blocks: C_S = e^(c_{S+1} - G_S) sum_R e^(c_R - c_{S+1}) dP_RS^T (x_R f_R)
-            C0 = _col_dot(z, l10, p10, bk1, qn1, f1, MMA)
-            C0 += tl.exp(c2 - c1)[None, :] * _col_dot(z, l20, p20, bk2, qn2, f2, MMA)
-            C0 += tl.exp(c3 - c1)[None, :] * _col_dot(z, l30, p30, bk3, qn3, f3, MMA)
-            C0 = C0 * tl.exp(c1[None, :] - G0)
-            C1 = _col_dot(z, l21, p21, bk2, qn2, f2, MMA)
-            C1 += tl.exp(c3 - c2)[None, :] * _col_dot(z, l31, p31, bk3, qn3, f3, MMA)
-            C1 = C1 * tl.exp(c2[None, :] - G1)
-            C2 = _col_dot(z, l32, p32, bk3, qn3, f3, MMA) * tl.exp(c3[None, :] - G2)
-            # diagonal blocks
-            rl0, rq0, D0 = _diag_grads(z, z, causal_mask(l00, True), causal_mask(p00, False), kn0, bk0, qn0, G0,
-                                        tl.zeros_like(c1), c1, FAST_DIAG, MMA)
-            rl1, rq1, D1 = _diag_grads(rl1, rq1, causal_mask(l11, True), causal_mask(p11, False), kn1, bk1, qn1, G1,
-                                       c1, c2, FAST_DIAG, MMA)
-            rl2, rq2, D2 = _diag_grads(rl2, rq2, causal_mask(l22, True), causal_mask(p22, False), kn2, bk2, qn2, G2,
-                                       c2, c3, FAST_DIAG, MMA)
-            rl3, rq3, D3 = _diag_grads(rl3, rq3, causal_mask(l33, True), causal_mask(p33, False), kn3, bk3, qn3, G3,
-                                       c3, c4, FAST_DIAG, MMA)
-            dkn0, dqn0, dG0, x0 = _tile_grads(rl0, rq0, C0 + D0, kn0, qn0, b0, G0, dqn_s, dkn_s, dG_s,
-                                              bos, t0, L, i_h, 0, o_k, H, K)
-            dkn1, dqn1, dG1, x1 = _tile_grads(rl1, rq1, C1 + D1, kn1, qn1, b1, G1, dqn_s, dkn_s, dG_s,
-                                              bos, t0, L, i_h, 1, o_k, H, K)
-            dkn2, dqn2, dG2, x2 = _tile_grads(rl2, rq2, C2 + D2, kn2, qn2, b2, G2, dqn_s, dkn_s, dG_s,
-                                              bos, t0, L, i_h, 2, o_k, H, K)
-            dkn3, dqn3, dG3, x3 = _tile_grads(rl3, rq3, D3, kn3, qn3, b3, G3, dqn_s, dkn_s, dG_s,
-                                              bos, t0, L, i_h, 3, o_k, H, K)
-            db0, db1, db2, db3 = db0 + x0, db1 + x1, db2 + x2, db3 + x3
-            rho_k0 += tl.sum(kn0 * dkn0, 1)
-            rho_k1 += tl.sum(kn1 * dkn1, 1)
-            rho_k2 += tl.sum(kn2 * dkn2, 1)
-            rho_k3 += tl.sum(kn3 * dkn3, 1)
-            rho_q0 += tl.sum(qn0 * dqn0, 1)
-            rho_q1 += tl.sum(qn1 * dqn1, 1)
-            rho_q2 += tl.sum(qn2 * dqn2, 1)
-            rho_q3 += tl.sum(qn3 * dqn3, 1)
+            pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
+            z = tl.load(g + pk, mask=mk, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k)[None, :]
+            G = tl.cumsum(tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0), 0)
+            kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
+            qn = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * (rq * scale)[:, None]
+            bk = kn * b[:, None]
+            # the forward's per-tile references (tile mid or start) and every row's factor e^(G_i - r)
+            c1 = tl.sum(tl.where((o_t == 15)[:, None], G, 0.0), 0)
+            c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
+            c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
+            c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
+            r0 = tile_reference(tl.zeros_like(c1), c1, FAST_DIAG)
+            r1 = tile_reference(c1, c2, FAST_DIAG)
+            r2 = tile_reference(c2, c3, FAST_DIAG)
+            r3 = tile_reference(c3, c4, FAST_DIAG)
+            rows = tl.where((tile == 0)[:, None], r0[None, :], tl.where((tile == 1)[:, None], r1[None, :],
+                            tl.where((tile == 2)[:, None], r2[None, :], r3[None, :])))
+            f = tl.exp(G - rows)
+            bkf = bk * f
+            qf = qn * f
+            rl = tl.zeros((BT, BK), dtype=tl.float32)
+            rqs = tl.zeros((BT, BK), dtype=tl.float32)
+            C = tl.zeros((BT, BK), dtype=tl.float32)
+            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r0, 0, tile,
+                                         FAST_DIAG, MMA)
+            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r1, 1, tile,
+                                         FAST_DIAG, MMA)
+            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r2, 2, tile,
+                                         FAST_DIAG, MMA)
+            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r3, 3, tile,
+                                         FAST_DIAG, MMA)
+            rl = rl * f
+            rqs = rqs * f
+            if not FAST_DIAG:
+                rl, rqs, C = diagonal_grads(rl, rqs, C, dl, da, kn, bk, qn, G)
+            # totals: the score terms plus the direct terms the state kernel left in scratch
+            dkn = b[:, None] * rl + C + tl.load(dkn_s + pk, mask=mk, other=0.0)
+            dqn = rqs + tl.load(dqn_s + pk, mask=mk, other=0.0)
+            dG = kn * (b[:, None] * rl - C) + qn * rqs + tl.load(dG_s + pk, mask=mk, other=0.0)
+            db += tl.sum(kn * rl, 1)
+            rho_k += tl.sum(kn * dkn, 1)
+            rho_q += tl.sum(qn * dqn, 1)
             # the totals replace the direct terms in scratch; the norm backward reads them once rho is complete
-            store_tile(dkn_s, dkn0, bos, t0, L, i_h, 0, o_k, H, K)
-            store_tile(dkn_s, dkn1, bos, t0, L, i_h, 1, o_k, H, K)
-            store_tile(dkn_s, dkn2, bos, t0, L, i_h, 2, o_k, H, K)
-            store_tile(dkn_s, dkn3, bos, t0, L, i_h, 3, o_k, H, K)
-            store_tile(dqn_s, dqn0, bos, t0, L, i_h, 0, o_k, H, K)
-            store_tile(dqn_s, dqn1, bos, t0, L, i_h, 1, o_k, H, K)
-            store_tile(dqn_s, dqn2, bos, t0, L, i_h, 2, o_k, H, K)
-            store_tile(dqn_s, dqn3, bos, t0, L, i_h, 3, o_k, H, K)
-            # decay cumsum: dga_i = sum_{t >= i} dG_t (dG_end already sits on the last row)
-            s3 = tl.sum(dG3, 0)
-            s2 = s3 + tl.sum(dG2, 0)
-            s1 = s2 + tl.sum(dG1, 0)
-            u0, a0 = _gate_back(tl.cumsum(dG0, 0, reverse=True) + s1[None, :], g, dt_bias, a, lb, bos, t0, L, i_h, 0,
-                                o_k, dg, H, K, BOUNDED)
-            u1, a1 = _gate_back(tl.cumsum(dG1, 0, reverse=True) + s2[None, :], g, dt_bias, a, lb, bos, t0, L, i_h, 1,
-                                o_k, dg, H, K, BOUNDED)
-            u2, a2 = _gate_back(tl.cumsum(dG2, 0, reverse=True) + s3[None, :], g, dt_bias, a, lb, bos, t0, L, i_h, 2,
-                                o_k, dg, H, K, BOUNDED)
-            u3, a3 = _gate_back(tl.cumsum(dG3, 0, reverse=True), g, dt_bias, a, lb, bos, t0, L, i_h, 3,
-                                o_k, dg, H, K, BOUNDED)
-            dal += a0 + a1 + a2 + a3
-            tl.store(dbias_part + slot * K + o_k, u0 + u1 + u2 + u3)
+            tl.store(dkn_s + pk, dkn, mask=mk)
+            tl.store(dqn_s + pk, dqn, mask=mk)
+            # decay cumsum backward (dG_end already sits on the last row), then the gate's
+            dz, dal_t = _gate_back(tl.where(mk, tl.cumsum(dG, 0, reverse=True), 0.0), z, a, lb, BOUNDED)
+            dz = tl.where(mk, dz, 0.0)
+            tl.store(dg + pk, dz.to(dg.dtype.element_ty), mask=mk)
+            dal += tl.sum(tl.where(mk, dal_t, 0.0), 0)
+            tl.store(dbias_part + slot * K + o_k, tl.sum(dz, 0))
         tl.store(dA_part + slot, tl.sum(dal, 0))
-        # beta: column side (from the WY kernel) + row side sum_d kn dL-row, through the sigmoid
-        store_rows(dbeta, (load_rows(dbeta_col, bos, t0, L, i_h, 0, H) + db0) * b0 * (1.0 - b0), bos, t0, L, i_h, 0, H)
-        store_rows(dbeta, (load_rows(dbeta_col, bos, t0, L, i_h, 1, H) + db1) * b1 * (1.0 - b1), bos, t0, L, i_h, 1, H)
-        store_rows(dbeta, (load_rows(dbeta_col, bos, t0, L, i_h, 2, H) + db2) * b2 * (1.0 - b2), bos, t0, L, i_h, 2, H)
-        store_rows(dbeta, (load_rows(dbeta_col, bos, t0, L, i_h, 3, H) + db3) * b3 * (1.0 - b3), bos, t0, L, i_h, 3, H)
+        # beta: column side (from the state kernel) + row side sum_d kn dL-row, through the sigmoid
+        dbc = tl.load(dbeta_col + tok, mask=m_r, other=0.0)
+        tl.store(dbeta + tok, ((dbc + db) * b * (1.0 - b)).to(dbeta.dtype.element_ty), mask=m_r)
         tl.debug_barrier()  # the scratch totals above were written by other threads of this program
+        # L2 norms: dx = r (s dxn - n rho) for xn = s x r, n = x r, rho = sum_d xn dxn
         for kb in range(0, K, BK):
-            o_k = kb + tl.arange(0, BK)
-            _norm_back(dkn_s, k, rk0, 1.0, bos, t0, L, i_h, 0, o_k, rho_k0, dk, H, K)
-            _norm_back(dkn_s, k, rk1, 1.0, bos, t0, L, i_h, 1, o_k, rho_k1, dk, H, K)
-            _norm_back(dkn_s, k, rk2, 1.0, bos, t0, L, i_h, 2, o_k, rho_k2, dk, H, K)
-            _norm_back(dkn_s, k, rk3, 1.0, bos, t0, L, i_h, 3, o_k, rho_k3, dk, H, K)
-            _norm_back(dqn_s, q, nq0, scale, bos, t0, L, i_h, 0, o_k, rho_q0, dq, H, K)
-            _norm_back(dqn_s, q, nq1, scale, bos, t0, L, i_h, 1, o_k, rho_q1, dq, H, K)
-            _norm_back(dqn_s, q, nq2, scale, bos, t0, L, i_h, 2, o_k, rho_q2, dq, H, K)
-            _norm_back(dqn_s, q, nq3, scale, bos, t0, L, i_h, 3, o_k, rho_q3, dq, H, K)
+            pk, mk = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
+            nk = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
+            tl.store(dk + pk, (rk[:, None] * (tl.load(dkn_s + pk, mask=mk, other=0.0) - nk * rho_k[:, None])).to(
+                dk.dtype.element_ty), mask=mk)
+            nq = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * rq[:, None]
+            tl.store(dq + pk, (rq[:, None] * (scale * tl.load(dqn_s + pk, mask=mk, other=0.0) - nq * rho_q[:, None])).to(
+                dq.dtype.element_ty), mask=mk)
 
 
 def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht):

@@ -1,8 +1,8 @@
 """The in-chunk tile algebra of chunked KDA, shared by the forward and the backward kernels.
 
-A 64-token chunk is four 16-row tiles. Per channel, the inclusive decay cumsum ``G`` is built tile
-by tile (``decay_tiles``), always in the same order, so the forward and the backward see
-bit-identical values. ``c_R`` is the decay at the end of tile ``R - 1`` (``c_0 = 0``, ``c_4 = G_end``).
+A 64-token chunk is four 16-row tiles; kernels hold whole chunks as ``[64, N]`` tiles. Per channel ``G`` is
+the inclusive decay cumsum over the chunk, and ``c_R`` the decay at the end of tile ``R - 1`` (``c_0 = 0``,
+``c_4 = G_end``).
 
 Decay between two tokens, ``exp(G_i - G_j)`` with ``i >= j``, is only ever formed as a product of
 two factors that cannot overflow, split at a reference ``r_R`` of the row tile R that holds ``i``:
@@ -41,68 +41,6 @@ def gate(graw, bias, a, lb, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def tile_offsets(bos, t0, L, i_h, R: tl.constexpr, o_d, H: tl.constexpr, D: tl.constexpr):
-    """Element offsets [16, len(o_d)] of row tile R of a [B, T, H, D] tensor, and its row mask [16]."""
-    o_r = t0 + R * 16 + tl.arange(0, 16)
-    p = ((bos + o_r) * H + i_h).to(tl.int64)[:, None] * D + o_d[None, :]
-    return p, o_r < L
-
-
-@triton.jit
-def load_tile(x, bos, t0, L, i_h, R: tl.constexpr, o_d, H: tl.constexpr, D: tl.constexpr):
-    """Row tile R of x (columns o_d) in fp32; rows past the sequence end read as 0."""
-    p, m = tile_offsets(bos, t0, L, i_h, R, o_d, H, D)
-    return tl.load(x + p, mask=m[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def store_tile(x, val, bos, t0, L, i_h, R: tl.constexpr, o_d, H: tl.constexpr, D: tl.constexpr):
-    p, m = tile_offsets(bos, t0, L, i_h, R, o_d, H, D)
-    tl.store(x + p, val.to(x.dtype.element_ty), mask=m[:, None])
-
-
-@triton.jit
-def load_rows(x, bos, t0, L, i_h, R: tl.constexpr, H: tl.constexpr):
-    """The 16 per-token scalars of row tile R of a [B, T, H] tensor (fp32, 0 past the end)."""
-    o_r = t0 + R * 16 + tl.arange(0, 16)
-    return tl.load(x + ((bos + o_r) * H + i_h).to(tl.int64), mask=o_r < L, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def store_rows(x, val, bos, t0, L, i_h, R: tl.constexpr, H: tl.constexpr):
-    o_r = t0 + R * 16 + tl.arange(0, 16)
-    tl.store(x + ((bos + o_r) * H + i_h).to(tl.int64), val.to(x.dtype.element_ty), mask=o_r < L)
-
-
-@triton.jit
-def decay_tiles(g, dt_bias, a, lb, bos, t0, L, i_h, o_k, H: tl.constexpr, K: tl.constexpr, BOUNDED: tl.constexpr):
-    """Inclusive in-chunk decay cumsum of channels o_k as four [16, BK] tiles G0..G3, and the
-    decays c1, c2, c3 at the ends of tiles 0..2 and c4 = G_end ([BK] each). Rows past the end add 0."""
-    bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
-    ga0 = _gate_tile(g, bias, a, lb, bos, t0, L, i_h, 0, o_k, H, K, BOUNDED)
-    ga1 = _gate_tile(g, bias, a, lb, bos, t0, L, i_h, 1, o_k, H, K, BOUNDED)
-    ga2 = _gate_tile(g, bias, a, lb, bos, t0, L, i_h, 2, o_k, H, K, BOUNDED)
-    ga3 = _gate_tile(g, bias, a, lb, bos, t0, L, i_h, 3, o_k, H, K, BOUNDED)
-    c1 = tl.sum(ga0, 0)
-    c2 = c1 + tl.sum(ga1, 0)
-    c3 = c2 + tl.sum(ga2, 0)
-    c4 = c3 + tl.sum(ga3, 0)
-    G0 = tl.cumsum(ga0, 0)
-    G1 = c1[None, :] + tl.cumsum(ga1, 0)
-    G2 = c2[None, :] + tl.cumsum(ga2, 0)
-    G3 = c3[None, :] + tl.cumsum(ga3, 0)
-    return G0, G1, G2, G3, c1, c2, c3, c4
-
-
-@triton.jit
-def _gate_tile(g, bias, a, lb, bos, t0, L, i_h, R: tl.constexpr, o_k, H: tl.constexpr, K: tl.constexpr,
-               BOUNDED: tl.constexpr):
-    p, m = tile_offsets(bos, t0, L, i_h, R, o_k, H, K)
-    graw = tl.load(g + p, mask=m[:, None], other=0.0).to(tl.float32)
-    return tl.where(m[:, None], gate(graw, bias, a, lb, BOUNDED), 0.0)
-
-
-@triton.jit
 def tile_reference(c_lo, c_hi, FAST_DIAG: tl.constexpr):
     """The decay reference r_R of a row tile spanning decays [c_lo, c_hi]: its mid decay when the diagonal block
     is a GEMM (bounded gate), else its start (every factor <= 1)."""
@@ -114,11 +52,17 @@ def tile_reference(c_lo, c_hi, FAST_DIAG: tl.constexpr):
 
 
 @triton.jit
+def _tile_sum(x):
+    """[64, N]: the sum over each 16-row tile, repeated over that tile's rows."""
+    N: tl.constexpr = x.shape[1]
+    x3 = tl.sum(tl.reshape(x, (4, 16, N)), 1)
+    return tl.reshape(tl.broadcast_to(x3[:, None, :], (4, 16, N)), (64, N))
+
+
+@triton.jit
 def _tile_row(x, sel):
     """[64, N]: the row of each 16-row tile that ``sel`` marks, repeated over that tile's rows."""
-    N: tl.constexpr = x.shape[1]
-    x3 = tl.sum(tl.reshape(tl.where(sel, x, 0.0), (4, 16, N)), 1)
-    return tl.reshape(tl.broadcast_to(x3[:, None, :], (4, 16, N)), (64, N))
+    return _tile_sum(tl.where(sel, x, 0.0))
 
 
 @triton.jit
@@ -137,14 +81,22 @@ def diagonal_scores(kk, qk, kt, qt, G):
 
 
 @triton.jit
-def causal_mask(x, STRICT: tl.constexpr):
-    """Zero the non-causal half of a diagonal [16, 16] block (and the diagonal itself if STRICT)."""
-    o_i = tl.arange(0, 16)
-    if STRICT:
-        keep = o_i[None, :] < o_i[:, None]
-    else:
-        keep = o_i[None, :] <= o_i[:, None]
-    return tl.where(keep, x, 0.0)
+def diagonal_grads(rl, rq, C, dl, da, kn, bk, qn, G):
+    """The backward of ``diagonal_scores``: add the diagonal blocks' row sums ``rl_i += sum_j dL_ij kn_j e^(G_i - G_j)``
+    (``rq`` with dA_qk) and column sums ``C_j += sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile."""
+    o_t = tl.arange(0, 64)
+    pos = o_t % 16
+    for jj in range(16):
+        sel = (pos == jj)[:, None]
+        e = tl.exp(tl.where((pos >= jj)[:, None], G - _tile_row(G, sel), float("-inf")))
+        col = o_t[None, :] == (o_t - pos + jj)[:, None]  # column 16 * tile(i) + jj of row i
+        pl = tl.sum(tl.where(col, dl, 0.0), 1)[:, None]
+        pq = tl.sum(tl.where(col, da, 0.0), 1)[:, None]
+        kj = _tile_row(kn, sel)
+        rl += pl * e * kj
+        rq += pq * e * kj
+        C += tl.where(sel, _tile_sum((pl * bk + pq * qn) * e), 0.0)
+    return rl, rq, C
 
 
 @triton.jit
@@ -159,12 +111,6 @@ def stack_rows(x0, x1, x2, x3):
     """Four [16, N] row tiles on top of each other: [64, N]."""
     x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [16, N, 2(lo), 2(hi)]: tile 2 * hi + lo
     return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (64, x0.shape[1]))
-
-
-@triton.jit
-def stack_vectors(x0, x1, x2, x3):
-    """Four [16] vectors end to end: [64]."""
-    return tl.reshape(stack_rows(x0[:, None], x1[:, None], x2[:, None], x3[:, None]), (64,))
 
 
 @triton.jit
