@@ -88,13 +88,14 @@ def kernel_stats():
     return stats
 
 
-# launch knobs tried by tune(), one at a time from the defaults: (module, knob, values)
+# launch knobs tried by tune(), one at a time from the defaults: (pipeline, knob, values)
 KNOBS = [("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
-         ("fwd", "scan_bv", (32, 64)), ("fwd", "scan_stages", (1, 2)), ("bwd", "scan_bv", (32, 64)), ("bwd", "state_warps", (4, 8)),
-         ("bwd", "gate_bk", (16, 32))]
-# the stages each pipeline can stop after, in order (per-stage time = difference of consecutive stops)
+         ("fwd", "scan_bv", (32, 64)), ("fwd", "scan_stages", (1, 2)), ("bwd", "scan_bv", (32, 64)),
+         ("bwd", "state_warps", (4, 8)), ("bwd", "gate_bk", (16, 32))]
+# decode launch knobs, tried at batch 256
 DECODE_KNOBS = [dict(bv=32, warps=4), dict(bv=16, warps=2), dict(bv=64, warps=4), dict(bv=64, warps=8),
                 dict(bv=128, warps=8)]
+# the stages each pipeline can stop after, in order (per-stage time = difference of consecutive stops)
 STAGES = {"fwd": ("chunk", None), "bwd": ("recompute", "scan", "state", None)}
 
 
