@@ -2,10 +2,11 @@
 vs the PyTorch reference; forward, forward+backward and the decode step, with the matmul and copy
 ceilings measured in the same run.
 
-    python benchmarks/kda.py OUTDIR [fast] [decode]     (kda_moe importable; fla 0.6.0 for its columns)
+    python benchmarks/kda.py OUTDIR [fast] [decode] [tune]     (kda_moe importable; fla 0.6.0 for its columns)
 
 ``fast`` drops the slow columns (our softplus path, the torch reference); ``decode`` runs only the
-ceilings and the decode table. The full run takes about 8 minutes on an H200.
+ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
+the fastest (the defaults in the kernel modules are the knobs picked so on an H200).
 
 Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json; prints the table last.
 Inputs are bf16, H heads of K = V = 128, gate / l2norm / beta sigmoid inside the kernels on every
@@ -99,9 +100,10 @@ DECODE_KNOBS = [dict(bv=32, warps=4), dict(bv=16, warps=2), dict(bv=64, warps=4)
 STAGES = {"fwd": ("chunk", None), "bwd": ("recompute", "scan", "state", None)}
 
 
-def tune(res):
-    """Per-stage times of our pipeline at the first shape (bounded gate), and the launch knobs picked
-    one at a time from them (the picked knobs are then used for the whole table)."""
+def tune(res, knobs):
+    """Per-stage times of our pipeline at the first shape (bounded gate), and the launch knobs picked one at a
+    time from ``knobs`` (then used for the whole table). Also times, without picking it, the chunk kernel with
+    tf32 products in its 16x16 inverse: how much of that kernel the fp32 inverse costs."""
     from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
     configs = {"fwd": chunk_fwd.CONFIG, "bwd": chunk_bwd.CONFIG}
     B, T, H, K = SHAPES[0]
@@ -111,7 +113,7 @@ def tune(res):
            "bwd": lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do,
                                                   None)}
     t = {}
-    for which, knob, values in KNOBS:
+    for which, knob, values in knobs:
         for val in values:
             configs[which][knob] = val
             t[f"{which}_{knob}={val}"] = bench(run[which])
@@ -121,6 +123,9 @@ def tune(res):
             configs[which]["stop_after"] = stop
             t[f"{which}_until_{stop or 'end'}"] = bench(run[which])
         configs[which]["stop_after"] = None
+    configs["fwd"].update(inv_prec="tf32", stop_after="chunk")
+    t["fwd_until_chunk_tf32_inverse"] = bench(run["fwd"])
+    configs["fwd"].update(inv_prec="ieee", stop_after=None)
     res["stage_ms"] = t
     res["config"] = {w: dict(c) for w, c in configs.items()}
     print("stage times (ms):", {n: round(x, 3) for n, x in t.items()}, flush=True)
@@ -136,7 +141,7 @@ def main(out):
     print(f"ceilings: bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s", flush=True)
     decode_only = "decode" in sys.argv[2:]
     if not decode_only:
-        tune(res)
+        tune(res, KNOBS if "tune" in sys.argv[2:] else [])
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except Exception as e:  # noqa: BLE001

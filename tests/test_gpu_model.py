@@ -46,6 +46,6 @@ def test_triton_training_step_gradients_match_torch_backend_bf16():
         loss.backward()
         grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
     # bf16 autocast: both runs round the same matmuls; 5e-2 relative bounds the kernels' different summation order
-    for name in grads[1]:
-        a, b = grads[0][name], grads[1][name]
-        assert (a - b).norm() <= 5e-2 * b.norm() + 1e-6, name
+    errors = {name: ((grads[0][name] - b).norm() / (b.norm() + 1e-12)).item() for name, b in grads[1].items()}
+    assert set(grads[0]) == set(grads[1])
+    assert max(errors.values()) <= 5e-2, sorted(errors.items(), key=lambda item: -item[1])[:8]

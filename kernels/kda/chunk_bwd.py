@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import chunk_kda_fwd, mm_dtype
+from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_offsets64, diagonal_grads, fast_diag, gate, seq_coords,
                           tile_reference)
 
 # launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
-CONFIG = dict(scan_bv=32, scan_warps=4, state_warps=8, state_bk=32, state_bv=32, gate_warps=8, gate_bk=16,
-              stop_after=None)
+CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, gate_warps=8,
+              gate_bk=32, stop_after=None)
 
 
 @triton.jit
@@ -314,11 +314,11 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dhbuf = torch.empty_like(fb["h"])
     ddbuf = torch.empty_like(fb["delta"])
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if initial_state is not None else None
-    BVs = min(V, CONFIG["scan_bv"])
+    BVs, stages = scan_launch(V, N * H, fb["delta"].dtype, CONFIG["scan_bv"], CONFIG["scan_stages"])
     _scan_bwd_kernel[(triton.cdiv(V, BVs), N * H)](
         fb["W"], fb["Qg"], fb["Kd"], fb["Aqk"], fb["gam"], do, dht, dh0, dhbuf, ddbuf, cu_seqlens, chunk_offsets, T,
         H=H, K=K, V=V, BV=BVs, IS_VARLEN=IS_VARLEN, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, MMA=MMA,
-        num_warps=CONFIG["scan_warps"], num_stages=2)
+        num_warps=CONFIG["scan_warps"], num_stages=stages)
     if CONFIG["stop_after"] == "scan":
         return None
     dv = torch.empty_like(v)

@@ -24,7 +24,7 @@ from .chunk_tiles import (BT, chunk_coords, chunk_offsets64, diagonal_scores, fa
 
 # Launch knobs (benchmarks/kda.py times the alternatives). stop_after="chunk" ends the forward after the
 # chunk kernel (per-stage timing only).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, scan_warps=4, scan_bv=None, scan_stages=2, inv_prec="ieee",
+CONFIG = dict(chunk_warps=4, chunk_bk=32, scan_warps=4, scan_bv=None, scan_stages=1, inv_prec="ieee",
               stop_after=None)
 
 
@@ -206,6 +206,13 @@ def storage_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
+def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: int):
+    """(BV, num_stages) of a scan over NH (sequence, head) pairs: narrower V tiles when there are few pairs, so
+    that every SM gets a scan, and one pipeline stage for fp32 buffers (two overflow shared memory)."""
+    BV = min(V, bv or (64 if NH >= 256 else (32 if NH >= 64 else 16)))
+    return (min(BV, 32), 1) if storage == torch.float32 else (BV, stages)
+
+
 def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
     """Device-side chunk bookkeeping (no host sync, fixed sizes, so it can be captured/compiled).
 
@@ -266,13 +273,12 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     hbuf = torch.empty(NS, H, K, V, device=dev, dtype=sd) if for_backward else None
     dbuf = torch.empty_like(U) if for_backward else None
-    # narrow V tiles when there are few (sequence, head) pairs, so that every SM gets a scan
-    BVs = min(V, CONFIG["scan_bv"] or (64 if N * H >= 512 else (32 if N * H >= 64 else 16)))
+    BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"])
     _scan_kernel[(triton.cdiv(V, BVs), N * H)](
         W, U, Qg, Kd, Aqk, gam, o if o is not None else U, initial_state, ht, hbuf, dbuf, cu_seqlens, chunk_offsets,
         T, H=H, K=K, V=V, BV=BVs, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
         STORE_HT=output_final_state, STORE_H=for_backward, STORE_D=for_backward, WRITE_O=not for_backward, MMA=MMA,
-        num_warps=CONFIG["scan_warps"], num_stages=CONFIG["scan_stages"])
+        num_warps=CONFIG["scan_warps"], num_stages=stages)
     if for_backward:
         return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, h=hbuf, delta=dbuf, ht=ht,
                     chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NS=NS, N=N)
