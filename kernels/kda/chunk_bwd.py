@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
-from .chunk_tiles import (BT, chunk_coords, chunk_offsets64, diagonal_grads, fast_diag, gate, seq_coords,
-                          tile_reference)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, diagonal_grads, fast_diag, gate,
+                          seq_coords, tile_references)
 
 # launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=1,
@@ -128,11 +128,7 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
             dW = -dW
             # decay of this channel slice as one [64, BK] cumsum (the tiled forward order differs only in rounding)
             pk, _ = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-            ga = tl.where(m_t, gate(tl.load(g + pk, mask=m_t, other=0.0).to(tl.float32), bias[None, :], a, lb,
-                                    BOUNDED), 0.0)
-            G = tl.cumsum(ga, 0)
-            Gend = tl.sum(ga, 0)
+            _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, m_t, i_h, o_k, K, BOUNDED)
             eG = tl.exp(G)
             eK = tl.exp(Gend[None, :] - G)
             kn = tl.load(k + pk, mask=m_t, other=0.0).to(tl.float32) * rk[:, None]
@@ -228,23 +224,11 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
             pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            z = tl.load(g + pk, mask=mk, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k)[None, :]
-            G = tl.cumsum(tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0), 0)
+            z, G, _ = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
             kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
             qn = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * (rq * scale)[:, None]
             bk = kn * b[:, None]
-            # the forward's per-tile references (tile mid or start) and every row's factor e^(G_i - r)
-            c1 = tl.sum(tl.where((o_t == 15)[:, None], G, 0.0), 0)
-            c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
-            c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
-            c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
-            r0 = tile_reference(tl.zeros_like(c1), c1, FAST_DIAG)
-            r1 = tile_reference(c1, c2, FAST_DIAG)
-            r2 = tile_reference(c2, c3, FAST_DIAG)
-            r3 = tile_reference(c3, c4, FAST_DIAG)
-            rows = tl.where((tile == 0)[:, None], r0[None, :], tl.where((tile == 1)[:, None], r1[None, :],
-                            tl.where((tile == 2)[:, None], r2[None, :], r3[None, :])))
-            f = tl.exp(G - rows)
+            r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # the forward's factoring
             bkf = bk * f
             qf = qn * f
             rl = tl.zeros((BT, BK), dtype=tl.float32)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_tiles import (BT, chunk_coords, chunk_offsets64, diagonal_scores, fast_diag, gate, lower_block_matrix,
-                          lower_blocks, seq_coords, tile_reference, unit_lower_inverse)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, diagonal_scores, fast_diag, lower_block_matrix,
+                          lower_blocks, seq_coords, tile_references, unit_lower_inverse)
 
 # Launch knobs (benchmarks/kda.py times the alternatives). stop_after="chunk" ends the forward after the
 # chunk kernel (per-stage timing only).
@@ -46,25 +46,12 @@ def _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H: tl.constexpr, K: tl.con
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
-        ga = tl.where(mk, gate(tl.load(g + pk, mask=mk, other=0.0).to(tl.float32), bias, a, lb, BOUNDED), 0.0)
-        G = tl.cumsum(ga, 0)
+        _, G, _ = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
         kt = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
         qt = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
         sk += tl.sum(kt * kt, 1)
         sq += tl.sum(qt * qt, 1)
-        # decay at the end of each row tile (c1..c4) and at its start (c0 = 0, c1, c2, c3)
-        c1 = tl.sum(tl.where((o_t == 15)[:, None], G, 0.0), 0)
-        c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
-        c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
-        c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
-        r0 = tile_reference(tl.zeros_like(c1), c1, FAST_DIAG)
-        r1 = tile_reference(c1, c2, FAST_DIAG)
-        r2 = tile_reference(c2, c3, FAST_DIAG)
-        r3 = tile_reference(c3, c4, FAST_DIAG)
-        rows = tl.where((tile == 0)[:, None], r0[None, :], tl.where((tile == 1)[:, None], r1[None, :],
-                        tl.where((tile == 2)[:, None], r2[None, :], r3[None, :])))
-        f = tl.exp(G - rows)  # row factor of every row against its own tile's reference
+        r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # f: every row's factor against its own tile
         kf = kt * f
         qf = qt * f
         kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, FAST_DIAG, MMA)
@@ -137,10 +124,7 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, g
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
             pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
-            ga = tl.where(mk, gate(tl.load(g + pk, mask=mk, other=0.0).to(tl.float32), bias, a, lb, BOUNDED), 0.0)
-            G = tl.cumsum(ga, 0)
-            Gend = tl.sum(ga, 0)
+            _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
             kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk
             eG = tl.exp(G)
             tl.store(Wb + pk, tl.dot(Aw, (kn * eG).to(MMA)).to(Wb.dtype.element_ty), mask=mk)

@@ -41,6 +41,34 @@ def gate(graw, bias, a, lb, BOUNDED: tl.constexpr):
 
 
 @triton.jit
+def chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K: tl.constexpr, BOUNDED: tl.constexpr):
+    """One chunk's decay over channels o_k: gate logits z = g + dt_bias, the inclusive decay cumsum G
+    ([64, BK] each) and the chunk's total decay G_end ([BK]); rows past the sequence end decay by 0."""
+    z = tl.load(g + pk, mask=mk, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
+    ga = tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0)
+    return z, tl.cumsum(ga, 0), tl.sum(ga, 0)
+
+
+@triton.jit
+def tile_references(G, FAST_DIAG: tl.constexpr):
+    """The decay references r_0..r_3 of the four row tiles ([BK] each, see ``tile_reference``) and every row's
+    factor against its own tile's reference, ``e^(G_i - r_R(i))`` ([64, BK])."""
+    o_t = tl.arange(0, 64)
+    tile = (o_t // 16)[:, None]
+    c1 = tl.sum(tl.where((o_t == 15)[:, None], G, 0.0), 0)  # decay at the end of tiles 0..3
+    c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
+    c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
+    c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
+    r0 = tile_reference(tl.zeros_like(c1), c1, FAST_DIAG)
+    r1 = tile_reference(c1, c2, FAST_DIAG)
+    r2 = tile_reference(c2, c3, FAST_DIAG)
+    r3 = tile_reference(c3, c4, FAST_DIAG)
+    rows = tl.where(tile == 0, r0[None, :], tl.where(tile == 1, r1[None, :], tl.where(tile == 2, r2[None, :],
+                                                                                        r3[None, :])))
+    return r0, r1, r2, r3, tl.exp(G - rows)
+
+
+@triton.jit
 def tile_reference(c_lo, c_hi, FAST_DIAG: tl.constexpr):
     """The decay reference r_R of a row tile spanning decays [c_lo, c_hi]: its mid decay when the diagonal block
     is a GEMM (bounded gate), else its start (every factor <= 1)."""
