@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, diagonal_grads, fast_diag, gate,
-                          seq_coords, tile_references)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
+                          gate, seq_coords, tile_references)
 
 # launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=1,
@@ -159,12 +159,7 @@ def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.conste
     rows of tile R: ``rl_i += sum_j dL_ij k_j e^(r - G_j)``, ``rq_i`` likewise with dA_qk (row factor applied
     later); columns: ``C_j += e^(r - G_j) sum_{i in R} (dL_ij b_i kn_i + dA_ij qn_i) e^(G_i - r)``.
     dl, da are dL and dA_qk as MMA operands, dlt, dat their transposes."""
-    o_t = tl.arange(0, 64)
-    if FAST_DIAG:
-        seen = o_t < 16 * (R + 1)
-    else:
-        seen = o_t < 16 * R
-    cf = tl.exp(tl.where(seen[:, None], r[None, :] - G, float("-inf")))
+    cf = column_factor(G, r, R, FAST_DIAG)
     col = (kn * cf).to(MMA)
     own = (tile == R)[:, None]
     rl = tl.where(own, tl.dot(dl, col), rl)

@@ -1,10 +1,10 @@
 """Chunked KDA forward: a chunk-parallel kernel, then one scan over the chunks.
 
 ``_chunk_kernel`` (one program per 64-token chunk and head) fuses the gate activation, the decay
-cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. Working on 16x16 blocks (see
-``chunk_tiles.py``) it builds ``A_kk`` (strictly causal) and ``A_qk`` (causal) over K in BK-wide
-slices, inverts ``I + diag(beta) A_kk`` block by block, and writes, in the storage dtype (bf16 for
-bf16 inputs, else fp32):
+cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk`` (strictly causal) and
+``A_qk`` (causal) over K in BK-wide slices, one M = 64 GEMM per 16-row tile (the decay factoring is in
+``chunk_tiles.py``), inverts ``I + diag(beta) A_kk`` by 16x16 blocks, and writes, in the storage dtype
+(bf16 for bf16 inputs, else fp32):
 
 * ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``,
 * ``Qg = q * exp(G)``, ``Kd = k * exp(G_end - G)``, ``A_qk``, and ``gamma = exp(G_end)`` (fp32),
@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, diagonal_scores, fast_diag, lower_block_matrix,
-                          lower_blocks, seq_coords, tile_references, unit_lower_inverse)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_scores, fast_diag,
+                          lower_block_matrix, lower_blocks, seq_coords, tile_references, unit_lower_inverse)
 
-# Launch knobs (benchmarks/kda.py times the alternatives). stop_after="chunk" ends the forward after the
-# chunk kernel (per-stage timing only).
+# Launch knobs (benchmarks/kda.py times the alternatives; these are its picks on an H200). stop_after="chunk"
+# ends the forward after the chunk kernel (per-stage timing only).
 CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=1, scan_warps=4, scan_bv=None, scan_stages=1, inv_prec="ieee",
               stop_after=None)
 
@@ -66,12 +66,7 @@ def _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H: tl.constexpr, K: tl.con
 @triton.jit
 def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
     """Add row tile R's scores: rows of tile R of (kf, qf) times the columns it may see, k_j e^(r - G_j)."""
-    o_t = tl.arange(0, 64)
-    if FAST_DIAG:
-        seen = o_t < 16 * (R + 1)  # its own tile too: the bounded gate keeps both factors finite
-    else:
-        seen = o_t < 16 * R  # the tiles before it; the diagonal block goes through diagonal_scores
-    col = (kt * tl.exp(tl.where(seen[:, None], r[None, :] - G, float("-inf")))).to(MMA)
+    col = (kt * column_factor(G, r, R, FAST_DIAG)).to(MMA)
     own = (tile == R)[:, None]
     kk = tl.dot(tl.where(own, kf, 0.0).to(MMA), tl.trans(col), kk)
     qk = tl.dot(tl.where(own, qf, 0.0).to(MMA), tl.trans(col), qk)

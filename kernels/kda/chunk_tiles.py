@@ -69,6 +69,18 @@ def tile_references(G, FAST_DIAG: tl.constexpr):
 
 
 @triton.jit
+def column_factor(G, r, R: tl.constexpr, FAST_DIAG: tl.constexpr):
+    """``e^(r - G_j)`` on the columns row tile R sees through the GEMM, 0 elsewhere ([64, BK]): the tiles before
+    it, and its own when the bounded gate keeps both factors finite (else its diagonal block takes the safe path)."""
+    o_t = tl.arange(0, 64)
+    if FAST_DIAG:
+        seen = o_t < 16 * (R + 1)
+    else:
+        seen = o_t < 16 * R
+    return tl.exp(tl.where(seen[:, None], r[None, :] - G, float("-inf")))
+
+
+@triton.jit
 def tile_reference(c_lo, c_hi, FAST_DIAG: tl.constexpr):
     """The decay reference r_R of a row tile spanning decays [c_lo, c_hi]: its mid decay when the diagonal block
     is a GEMM (bounded gate), else its start (every factor <= 1)."""
