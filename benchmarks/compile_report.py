@@ -1,0 +1,87 @@
+"""Compile every KDA kernel for an H100 / H200 (sm_90) on a machine without a GPU and print what the compiler
+reports: registers, spill stack and shared memory per kernel. Device time is scarce; spills, shared-memory
+overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
+
+    python benchmarks/compile_report.py [bf16|fp32] ['{"chunk_stages": 2}' (chunk_fwd.CONFIG)] ['{...}' (chunk_bwd)]
+
+The launch code runs for real on CPU tensors of shape (1, 256, 2, 128) (both gates, forward and backward); a
+stand-in driver names sm_90 as the target and every launch compiles its kernel without running it, so the
+outputs are garbage and only the compiled kernels matter. Needs the Triton wheel's cuobjdump (in the wheel).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class _Sm90Driver:
+    """Just enough of a driver for ``JITFunction.run`` to compile for sm_90 without a device."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def compile_all(dtype, fwd_config, bwd_config):
+    """Run the forward and backward launch code for both gates; return {kernel name: [compiled kernels]}."""
+    driver.set_active(_Sm90Driver())
+    compiled = {}
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.setdefault(self.fn.__name__, []).append(kernel)
+        return kernel
+
+    JITFunction.run = compile_only
+    try:
+        from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
+
+        chunk_fwd.CONFIG.update(fwd_config)
+        chunk_bwd.CONFIG.update(bwd_config)
+        B, T, H, K = 1, 256, 2, 128
+        q, k, v, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(4))
+        beta, A_log, dt_bias = torch.randn(B, T, H, dtype=dtype), torch.zeros(H), torch.zeros(H * K)
+        for lb in (-5.0, None):
+            chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, False, None)
+            chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, None, v, None)
+    finally:
+        JITFunction.run = launch
+    return compiled
+
+
+def main():
+    dtype = torch.float32 if "fp32" in sys.argv[1:2] else torch.bfloat16
+    configs = [json.loads(a) for a in sys.argv[2:4]] + [{}, {}]
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    print(f"{'kernel#variant (launch order)':<32} warps  regs  spill stack  shared")
+    for name, kernels in compile_all(dtype, configs[0], configs[1]).items():
+        for i, kernel in enumerate(kernels):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                       text=True).stdout
+            regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+            print(f"{name + '#' + str(i):<32} {kernel.metadata.num_warps:>5} {regs:>5} {stack:>11} "
+                  f"{kernel.metadata.shared:>7}")
+
+
+if __name__ == "__main__":
+    main()
