@@ -2,11 +2,12 @@
 reports: registers, spill stack and shared memory per kernel. Device time is scarce; spills, shared-memory
 overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
 
-    python benchmarks/compile_report.py [bf16|fp32] ['{"chunk_stages": 2}' (chunk_fwd.CONFIG)] ['{...}' (chunk_bwd)]
+    [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [fwd CONFIG json] [bwd CONFIG json]
 
-The launch code runs for real on CPU tensors of shape (1, 256, 2, 128) (both gates, forward and backward); a
-stand-in driver names sm_90 as the target and every launch compiles its kernel without running it, so the
-outputs are garbage and only the compiled kernels matter. Needs the Triton wheel's cuobjdump (in the wheel).
+e.g. ``python benchmarks/compile_report.py bf16 '{"chunk_stages": 2}'``. The launch code runs for real on CPU
+tensors of shape KDA_SHAPE (default 1,256,2,128; both gates, forward and backward); a stand-in driver names
+sm_90 as the target and every launch compiles its kernel without running it, so the outputs are garbage and
+only the compiled kernels matter. Uses the cuobjdump that ships in the Triton wheel.
 """
 
 import json
@@ -55,7 +56,7 @@ def compile_all(dtype, fwd_config, bwd_config):
 
         chunk_fwd.CONFIG.update(fwd_config)
         chunk_bwd.CONFIG.update(bwd_config)
-        B, T, H, K = 1, 256, 2, 128
+        B, T, H, K = (int(n) for n in os.environ.get("KDA_SHAPE", "1,256,2,128").split(","))
         q, k, v, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(4))
         beta, A_log, dt_bias = torch.randn(B, T, H, dtype=dtype), torch.zeros(H), torch.zeros(H * K)
         for lb in (-5.0, None):

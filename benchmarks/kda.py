@@ -6,7 +6,7 @@ ceilings measured in the same run.
 
 ``fast`` drops the slow columns (our softplus path, the torch reference); ``decode`` runs only the
 ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
-the fastest (the defaults in the kernel modules are the knobs picked so on an H200); ``stages`` tunes
+the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments); ``stages`` tunes
 only the first two (software-pipelining depth of the forward chunk and the gate-gradient kernels).
 
 Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json; prints the table last.
