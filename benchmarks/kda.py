@@ -2,12 +2,12 @@
 vs the PyTorch reference; forward, forward+backward and the decode step, with the matmul and copy
 ceilings measured in the same run.
 
-    python benchmarks/kda.py OUTDIR [fast] [decode] [tune]     (kda_moe importable; fla 0.6.0 for its columns)
+    python benchmarks/kda.py OUTDIR [fast] [decode] [tune|stages]     (kda_moe importable; fla 0.6.0 for its columns)
 
 ``fast`` drops the slow columns (our softplus path, the torch reference); ``decode`` runs only the
 ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
-the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments); ``stages`` tunes
-only the first two (software-pipelining depth of the forward chunk and the gate-gradient kernels).
+the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments);
+``stages`` tunes only the first two (pipelining depth of the forward chunk and the gate-gradient kernels).
 
 Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json; prints the table last.
 Inputs are bf16, H heads of K = V = 128, gate / l2norm / beta sigmoid inside the kernels on every

@@ -126,7 +126,7 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
                 dW = tl.dot(tl.load(ddbuf + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bS.to(MMA)), dW)
                 dgam += tl.sum(bS.to(tl.float32) * bdS.to(tl.float32), 1)
             dW = -dW
-            # decay of this channel slice as one [64, BK] cumsum (the tiled forward order differs only in rounding)
+            # decay of this channel slice, computed as the forward computes it
             pk, _ = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
             _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, m_t, i_h, o_k, K, BOUNDED)
             eG = tl.exp(G)
@@ -269,8 +269,8 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
             tl.store(dk + pk, (rk[:, None] * (tl.load(dkn_s + pk, mask=mk, other=0.0) - nk * rho_k[:, None])).to(
                 dk.dtype.element_ty), mask=mk)
             nq = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * rq[:, None]
-            tl.store(dq + pk, (rq[:, None] * (scale * tl.load(dqn_s + pk, mask=mk, other=0.0) - nq * rho_q[:, None])).to(
-                dq.dtype.element_ty), mask=mk)
+            dqn = tl.load(dqn_s + pk, mask=mk, other=0.0)
+            tl.store(dq + pk, (rq[:, None] * (scale * dqn - nq * rho_q[:, None])).to(dq.dtype.element_ty), mask=mk)
 
 
 def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht):

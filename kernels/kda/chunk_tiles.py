@@ -147,7 +147,7 @@ def _side_by_side(x0, x1, x2, x3):
 
 
 @triton.jit
-def stack_rows(x0, x1, x2, x3):
+def _stack_rows(x0, x1, x2, x3):
     """Four [16, N] row tiles on top of each other: [64, N]."""
     x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [16, N, 2(lo), 2(hi)]: tile 2 * hi + lo
     return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (64, x0.shape[1]))
@@ -180,7 +180,7 @@ def lower_blocks(M):
 def lower_block_matrix(b00, b10, b11, b20, b21, b22, b30, b31, b32, b33):
     """The [64, 64] matrix with these [16, 16] blocks on and below the diagonal, zeros above."""
     z = tl.zeros_like(b00)
-    return stack_rows(_side_by_side(b00, z, z, z), _side_by_side(b10, b11, z, z), _side_by_side(b20, b21, b22, z),
+    return _stack_rows(_side_by_side(b00, z, z, z), _side_by_side(b10, b11, z, z), _side_by_side(b20, b21, b22, z),
                       _side_by_side(b30, b31, b32, b33))
 
 
