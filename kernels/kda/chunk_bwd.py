@@ -26,7 +26,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 
 # launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=1,
-              gate_warps=8, gate_bk=32, gate_stages=1, stop_after=None)
+              state_maxnreg=None, gate_warps=8, gate_bk=32, gate_stages=1, gate_maxnreg=None, gate_fp32=True,
+              stop_after=None)
 
 
 @triton.jit
@@ -311,7 +312,7 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, g, beta, A_log, dt_bias, v, do, fb["T"], fb["h"], dhbuf, fb["delta"], ddbuf, dv, dL, dAq, dbeta_col,
         dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=min(K, CONFIG["state_bk"]),
         BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, DOT_PREC="tf32",
-        num_warps=CONFIG["state_warps"], num_stages=CONFIG["state_stages"])
+        num_warps=CONFIG["state_warps"], num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
     if CONFIG["stop_after"] == "state":
         return None
     dq = torch.empty_like(q)
@@ -324,8 +325,9 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, g, beta, A_log, dt_bias, dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta, dA_part, dbias_part,
         # fp32 operands (tf32 on the GPU) for the score gradients: dL / dA_qk span a wider range than the inputs
         cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]), IS_VARLEN=IS_VARLEN,
-        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=tl.float32, num_warps=CONFIG["gate_warps"],
-        num_stages=CONFIG["gate_stages"])
+        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=tl.float32 if CONFIG["gate_fp32"] else MMA,
+        num_warps=CONFIG["gate_warps"],
+        num_stages=CONFIG["gate_stages"], maxnreg=CONFIG["gate_maxnreg"])
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0

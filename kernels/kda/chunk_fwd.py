@@ -25,8 +25,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # Launch knobs (benchmarks/kda.py times the alternatives; these are its picks on an H200, except chunk_stages: 2 was
 # 6% faster there, but its numerics are not yet checked on the GPU). stop_after="chunk" ends the forward after the
 # chunk kernel (per-stage timing only).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=1, scan_warps=4, scan_bv=None, scan_stages=1, inv_prec="ieee",
-              stop_after=None)
+CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=1, chunk_maxnreg=None, scan_warps=4, scan_bv=None, scan_stages=1,
+              inv_prec="ieee", stop_after=None)
 
 
 @triton.jit
@@ -246,7 +246,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=for_backward, num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"])
+        STORE_T=for_backward, num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
+        maxnreg=CONFIG["chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None
     o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
