@@ -4,8 +4,8 @@ ceilings measured in the same run.
 
     python benchmarks/kda.py OUTDIR [fast] [decode] [tune|stages]     (kda_moe importable; fla 0.6.0 for its columns)
 
-``fast`` drops the slow columns (our softplus path, the torch reference); ``decode`` runs only the
-ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
+``fast`` drops the slow columns (our softplus path, the torch reference) and the per-stage times; ``decode``
+runs only the ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
 the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments);
 ``stages`` tunes only the first two (pipelining depth of the forward chunk and the gate-gradient kernels).
 
@@ -94,7 +94,9 @@ def kernel_stats():
 KNOBS = [("fwd", "chunk_stages", (1, 2)), ("bwd", "gate_stages", (1, 2)), ("bwd", "state_stages", (1, 2)),
          ("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
          ("fwd", "scan_bv", (32, 64)), ("fwd", "scan_stages", (1, 2)), ("bwd", "scan_bv", (32, 64)),
-         ("bwd", "state_warps", (4, 8)), ("bwd", "gate_bk", (16, 32))]
+         ("bwd", "state_warps", (4, 8)), ("bwd", "gate_bk", (16, 32)), ("fwd", "chunk_maxnreg", (None, 168, 128)),
+         ("bwd", "gate_fp32", (True, False)), ("bwd", "gate_warps", (4, 8)), ("bwd", "state_maxnreg", (None, 168)),
+         ("bwd", "gate_maxnreg", (None, 168))]
 # decode launch knobs, tried at batch 256
 DECODE_KNOBS = [dict(bv=32, warps=4), dict(bv=16, warps=2), dict(bv=64, warps=4), dict(bv=64, warps=8),
                 dict(bv=128, warps=8)]
@@ -142,8 +144,9 @@ def main(out):
     res["matmul_tflops"], res["copy_GBps"] = ceilings()
     print(f"ceilings: bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s", flush=True)
     decode_only = "decode" in sys.argv[2:]
-    if not decode_only:
-        tune(res, KNOBS if "tune" in sys.argv[2:] else KNOBS[:2] if "stages" in sys.argv[2:] else [])
+    knobs = KNOBS if "tune" in sys.argv[2:] else KNOBS[:2] if "stages" in sys.argv[2:] else []
+    if not decode_only and (knobs or "fast" not in sys.argv[2:]):
+        tune(res, knobs)
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except Exception as e:  # noqa: BLE001

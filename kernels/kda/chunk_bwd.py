@@ -24,9 +24,12 @@ from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
                           gate, seq_coords, tile_references)
 
-# launch knobs (benchmarks/kda.py times the alternatives); stop_after ends the backward early (stage timing only)
-CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=1,
-              state_maxnreg=None, gate_warps=8, gate_bk=32, gate_stages=1, gate_maxnreg=None, gate_fp32=True,
+# Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16): bf16 operands in the gate
+# kernel's score gradients (gate_fp32=False; 18.35 against 20.67 ms for the backward, same gradient errors), 4 warps
+# there (16.58 ms) and pipelined loops in the state kernel (16.43 ms); register caps made both kernels slower.
+# stop_after ends the backward early (stage timing only).
+CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
+              state_maxnreg=None, gate_warps=4, gate_bk=32, gate_stages=1, gate_maxnreg=None, gate_fp32=False,
               stop_after=None)
 
 
@@ -323,11 +326,9 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
     _gate_grads_kernel[(NS, H)](
         q, k, g, beta, A_log, dt_bias, dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta, dA_part, dbias_part,
-        # fp32 operands (tf32 on the GPU) for the score gradients: dL / dA_qk span a wider range than the inputs
         cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]), IS_VARLEN=IS_VARLEN,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=tl.float32 if CONFIG["gate_fp32"] else MMA,
-        num_warps=CONFIG["gate_warps"],
-        num_stages=CONFIG["gate_stages"], maxnreg=CONFIG["gate_maxnreg"])
+        num_warps=CONFIG["gate_warps"], num_stages=CONFIG["gate_stages"], maxnreg=CONFIG["gate_maxnreg"])
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0

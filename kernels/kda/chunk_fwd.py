@@ -22,10 +22,11 @@ import triton.language as tl
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_scores, fast_diag,
                           lower_block_matrix, lower_blocks, seq_coords, tile_references, unit_lower_inverse)
 
-# Launch knobs (benchmarks/kda.py times the alternatives; these are its picks on an H200, except chunk_stages: 2 was
-# 6% faster there, but its numerics are not yet checked on the GPU). stop_after="chunk" ends the forward after the
-# chunk kernel (per-stage timing only).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=1, chunk_maxnreg=None, scan_warps=4, scan_bv=None, scan_stages=1,
+# Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
+# registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
+# software-pipelined K loops take it to 3.70 ms. stop_after="chunk" ends the forward after the chunk kernel (per-stage
+# timing only).
+CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None, scan_stages=1,
               inv_prec="ieee", stop_after=None)
 
 
@@ -188,9 +189,12 @@ def storage_dtype(x: torch.Tensor) -> torch.dtype:
 
 def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: int):
     """(BV, num_stages) of a scan over NH (sequence, head) pairs: narrower V tiles when there are few pairs, so
-    that every SM gets a scan, and one pipeline stage for fp32 buffers (two overflow shared memory)."""
+    that every SM gets a scan, and one pipeline stage for fp32 buffers (two overflow shared memory).
+
+    bf16 tiles are at least 32 wide: at 16, Triton 3.6 miscompiles the scans on the H200 (compute-sanitizer:
+    invalid shared-memory reads in the state update ``Kd^T delta``; wrong gradients, or an illegal address)."""
     BV = min(V, bv or (64 if NH >= 256 else (32 if NH >= 64 else 16)))
-    return (min(BV, 32), 1) if storage == torch.float32 else (BV, stages)
+    return (min(BV, 32), 1) if storage == torch.float32 else (max(BV, min(V, 32)), stages)
 
 
 def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
