@@ -182,7 +182,7 @@ def main(out):
                 with torch.no_grad():
                     row[f"{name}_fwd_ms"] = bench(fn, rep=60 if name == "torch_ref" else 120)
                 if name != "torch_ref" or (B, T, H) == SHAPES[0][:3]:
-                    def fb(fn=fn):
+                    def fb(fn=fn, do=do):
                         fn().backward(do)
                     row[f"{name}_fwdbwd_ms"] = bench(fb, grad_to_none=ins, rep=60 if name == "torch_ref" else 150)
             except Exception:  # noqa: BLE001
