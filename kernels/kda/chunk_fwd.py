@@ -189,12 +189,11 @@ def storage_dtype(x: torch.Tensor) -> torch.dtype:
 
 def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: int):
     """(BV, num_stages) of a scan over NH (sequence, head) pairs: narrower V tiles when there are few pairs, so
-    that every SM gets a scan, and one pipeline stage for fp32 buffers (two overflow shared memory).
-
-    bf16 tiles are at least 32 wide: at 16, Triton 3.6 miscompiles the scans on the H200 (compute-sanitizer:
-    invalid shared-memory reads in the state update ``Kd^T delta``; wrong gradients, or an illegal address)."""
-    BV = min(V, bv or (64 if NH >= 256 else (32 if NH >= 64 else 16)))
-    return (min(BV, 32), 1) if storage == torch.float32 else (max(BV, min(V, 32)), stages)
+    that every SM gets a scan, but at least 32 wide: at 16, Triton 3.6 miscompiles the bf16 scans on the H200
+    (compute-sanitizer: invalid shared-memory reads in the state update ``Kd^T delta``; wrong gradients, or an
+    illegal address). fp32 buffers take 32-wide tiles and one pipeline stage (more overflow shared memory)."""
+    BV = max(min(V, 32), min(V, bv or (64 if NH >= 256 else 32)))
+    return (min(BV, 32), 1) if storage == torch.float32 else (BV, stages)
 
 
 def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
