@@ -26,8 +26,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
 # software-pipelined K loops take it to 3.70 ms. stop_after="chunk" ends the forward after the chunk kernel (per-stage
 # timing only).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None, scan_stages=1,
-              inv_prec="ieee", stop_after=None)
+CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None,
+              scan_stages=1, inv_prec="ieee", stop_after=None)
 
 
 @triton.jit
@@ -189,11 +189,15 @@ def storage_dtype(x: torch.Tensor) -> torch.dtype:
 
 def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: int):
     """(BV, num_stages) of a scan over NH (sequence, head) pairs: narrower V tiles when there are few pairs, so
-    that every SM gets a scan, but at least 32 wide: at 16, Triton 3.6 miscompiles the bf16 scans on the H200
-    (compute-sanitizer: invalid shared-memory reads in the state update ``Kd^T delta``; wrong gradients, or an
-    illegal address). fp32 buffers take 32-wide tiles and one pipeline stage (more overflow shared memory)."""
-    BV = max(min(V, 32), min(V, bv or (64 if NH >= 256 else 32)))
-    return (min(BV, 32), 1) if storage == torch.float32 else (BV, stages)
+    that every SM gets a scan, and one pipeline stage for fp32 buffers (two overflow shared memory).
+
+    bf16 scans on tiles narrower than 64 always take two stages: unpipelined, Triton 3.6 miscompiles them on the
+    H200 (16-wide tiles: compute-sanitizer reports invalid shared-memory reads in the state update; wrong
+    gradients, NaN, or an illegal address). Two stages at 16 and 32, one at 64, were checked there."""
+    BV = min(V, bv or (64 if NH >= 256 else (32 if NH >= 64 else 16)))
+    if storage == torch.float32:
+        return min(BV, 32), 1
+    return BV, (max(stages, 2) if BV < 64 else stages)
 
 
 def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
