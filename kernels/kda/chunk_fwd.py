@@ -193,7 +193,8 @@ def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: i
 
     bf16 scans on tiles narrower than 64 always take two stages: unpipelined, Triton 3.6 miscompiles them on the
     H200 (16-wide tiles: compute-sanitizer reports invalid shared-memory reads in the state update; wrong
-    gradients, NaN, or an illegal address). Two stages at 16 and 32, one at 64, were checked there."""
+    gradients, NaN, or an illegal address). Checked there: two stages at 16 (both scans) and at 32 (the backward
+    scan), one at 64."""
     BV = min(V, bv or (64 if NH >= 256 else (32 if NH >= 64 else 16)))
     if storage == torch.float32:
         return min(BV, 32), 1
