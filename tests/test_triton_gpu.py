@@ -18,48 +18,25 @@ pytest.importorskip("triton")
 
 from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
-from kda_moe.kernels.kda import kimi_delta_attention  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
 from kda_moe.kernels.kda.recurrent import kda_decode_step  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
+from kda_testing import kda_forward_backward, kda_inputs, rel  # noqa: E402
 
 dev = "cuda"
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def inputs(B, T, H, K, V, dtype, N=None):
-    r = lambda *s: torch.randn(*s, device=dev)  # noqa: E731
-    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K), beta=r(B, T, H))
-    x = {n: t.to(dtype) for n, t in x.items()}
-    x["A_log"] = torch.log(torch.rand(H, device=dev) * 15 + 1)
-    x["dt_bias"] = r(H * K) * 0.1
-    x["h0"] = r(N or B, H, K, V)
-    return x
-
-
-def fwd_bwd(x, lb, cu, triton, ref_dtype=torch.float32):
-    leaves = {n: (t.detach().clone() if triton else t.detach().to(ref_dtype)).requires_grad_() for n, t in x.items()}
-    args = [leaves[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
-    kw = dict(gate_lower_bound=lb, initial_state=leaves["h0"], output_final_state=True, cu_seqlens=cu)
-    o, ht = chunk_kda_triton(*args, **kw) if triton else kimi_delta_attention(*args, **kw, backend="torch")
-    g = torch.Generator(device=dev).manual_seed(1)
-    do = torch.randn(o.shape, device=dev, generator=g)
-    dht = torch.randn(ht.shape, device=dev, generator=g)
-    ((o.float() * do).sum() + (ht * dht).sum()).backward()
-    return o, ht, {n: t.grad for n, t in leaves.items()}
+REF = torch.float32  # the reference's dtype: fp32 is 1e-6 accurate here (fp64 is needlessly slow at these sizes)
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunk_kda_full_size_matches_reference(lb, dtype):
-    x = inputs(2, 2048, 4, 128, 128, dtype)
-    o, ht, gr = fwd_bwd(x, lb, None, True)
-    ro, rht, rgr = fwd_bwd(x, lb, None, False)
+    x = kda_inputs(2, 2048, 4, 128, 128, dtype, device=dev)
+    o, ht, gr = kda_forward_backward(x, lb, None, True, REF)
+    ro, rht, rgr = kda_forward_backward(x, lb, None, False, REF)
     to, tg = (5e-3, 1e-2) if dtype == torch.bfloat16 else (3e-3, 5e-3)
     assert torch.isfinite(o).all() and rel(o, ro) < to and rel(ht, rht) < to
     for n in gr:
@@ -68,23 +45,23 @@ def test_chunk_kda_full_size_matches_reference(lb, dtype):
 
 def test_chunk_kda_varlen_bf16_matches_reference():
     cu = torch.tensor([0, 1, 300, 300, 1500, 4096], device=dev)
-    x = inputs(1, 4096, 4, 128, 128, torch.bfloat16, N=5)
-    o, ht, gr = fwd_bwd(x, -5.0, cu, True)
-    ro, rht, rgr = fwd_bwd(x, -5.0, cu, False)
+    x = kda_inputs(1, 4096, 4, 128, 128, torch.bfloat16, N=5, device=dev)
+    o, ht, gr = kda_forward_backward(x, -5.0, cu, True, REF)
+    ro, rht, rgr = kda_forward_backward(x, -5.0, cu, False, REF)
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     for n in gr:
         assert rel(gr[n], rgr[n]) < 1e-2, (n, rel(gr[n], rgr[n]))
 
 
 def test_bounded_gate_bf16_forward_stays_finite_at_one_million_tokens():
-    x = inputs(1, 1 << 20, 16, 128, 128, torch.bfloat16)
+    x = kda_inputs(1, 1 << 20, 16, 128, 128, torch.bfloat16, device=dev)
     o, ht = chunk_kda_triton(*[x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")],
                              gate_lower_bound=-5.0, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
 
 
 def test_decode_step_matches_reference():
-    x = inputs(64, 1, 16, 128, 128, torch.bfloat16)
+    x = kda_inputs(64, 1, 16, 128, 128, torch.bfloat16, device=dev)
     for lb in (-5.0, None):
         state = x["h0"].clone()
         o = kda_decode_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
@@ -122,7 +99,7 @@ def test_conv_and_norm_match_reference():
 
 
 def test_compiled_training_and_decode_steps_have_no_graph_break():
-    x = inputs(2, 256, 4, 128, 128, torch.bfloat16)
+    x = kda_inputs(2, 256, 4, 128, 128, torch.bfloat16, device=dev)
     args = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")] + [x["A_log"], x["dt_bias"]]
 
     def train_step(q, k, v, g, beta, A_log, dt_bias):

@@ -23,35 +23,7 @@ from kda_moe.kernels.kda.recurrent import kda_decode_step  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def kda_inputs(B, T, H, K, V, dtype, N=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K), beta=r(B, T, H))
-    x = {n: t.to(dtype) for n, t in x.items()}
-    x["A_log"] = torch.log(torch.rand(H, generator=gen) * 15 + 1)
-    x["dt_bias"] = r(H * K) * 0.1
-    x["h0"] = r(N or B, H, K, V)
-    return x
-
-
-def kda_forward_backward(x, lb, cu_seqlens, use_triton, with_state=True):
-    leaves = {n: t.detach().clone().double().requires_grad_() if not use_triton else t.detach().clone().requires_grad_()
-              for n, t in x.items()}
-    args = [leaves[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
-    kw = dict(gate_lower_bound=lb, initial_state=leaves["h0"] if with_state else None, output_final_state=True,
-              cu_seqlens=cu_seqlens)
-    o, ht = chunk_kda_triton(*args, **kw) if use_triton else kimi_delta_attention(*args, **kw, backend="torch")
-    gen = torch.Generator().manual_seed(1)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype)
-    dht = torch.randn(ht.shape, generator=gen).to(ht.dtype)
-    ((o * do).sum() + (ht * dht).sum()).backward()
-    return o, ht, {n: t.grad for n, t in leaves.items() if t.grad is not None}
+from kda_testing import kda_forward_backward, kda_inputs, rel  # noqa: E402
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
