@@ -4,10 +4,12 @@ overflows and compile errors (the interpreter accepts code the compiler rejects)
 
     [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [fwd CONFIG json] [bwd CONFIG json]
 
-e.g. ``python benchmarks/compile_report.py bf16 '{"chunk_stages": 2}'``. The launch code runs for real on CPU
-tensors of shape KDA_SHAPE (default 1,256,2,128; both gates, forward and backward); a stand-in driver names
-sm_90 as the target and every launch compiles its kernel without running it, so the outputs are garbage and
-only the compiled kernels matter. Uses the cuobjdump that ships in the Triton wheel.
+e.g. ``python benchmarks/compile_report.py bf16 '{"chunk_maxnreg": 128}'``. It compiles with the Triton it imports:
+to match the GPU machine's compiler, put that version first (``pip install --target /tmp/t36 triton==3.6.0``, then
+``PYTHONPATH=/tmp/t36``). The launch code runs for real on CPU tensors of shape KDA_SHAPE (default 1,256,2,128;
+both gates, forward and backward); a stand-in driver names sm_90 as the target and every launch compiles its kernel
+without running it, so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships
+in the Triton wheel.
 """
 
 import json
