@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
-                          gate, seq_coords, tile_references)
+                          gate, inverse_row_norms, seq_coords, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16). bf16 operands in the gate
 # kernel's score gradients (gate_fp32=False) took the backward from 20.67 to 18.35 ms, and 4 warps there to 16.58 ms,
@@ -90,16 +90,8 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
         pT, m_t = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
         Tm = tl.load(Tb + pT, mask=m_t, other=0.0).to(tl.float32)
         Aw = (Tm * bb[None, :]).to(MMA)
-        sk = tl.zeros((BT,), dtype=tl.float32)
-        sq = tl.zeros((BT,), dtype=tl.float32)
-        for kb in range(0, K, BK):
-            pk, _ = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
-            bk = tl.load(k + pk, mask=m_t, other=0.0).to(tl.float32)
-            bq = tl.load(q + pk, mask=m_t, other=0.0).to(tl.float32)
-            sk += tl.sum(bk * bk, 1)
-            sq += tl.sum(bq * bq, 1)
-        rk = tl.rsqrt(sk + 1e-6)
-        rq = tl.rsqrt(sq + 1e-6) * scale
+        rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
+        rq = rq * scale
 
         dAw = tl.zeros((BT, BT), dtype=tl.float32)
         dAq = tl.zeros((BT, BT), dtype=tl.float32)
@@ -200,16 +192,7 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
         tile = o_t // 16
         m_r = t0 + o_t < L
         tok = ((bos + t0 + o_t) * H + i_h).to(tl.int64)
-        sk = tl.zeros((BT,), dtype=tl.float32)
-        sq = tl.zeros((BT,), dtype=tl.float32)
-        for kb in range(0, K, BK):
-            pk, mk = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
-            x = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
-            sk += tl.sum(x * x, 1)
-            x = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
-            sq += tl.sum(x * x, 1)
-        rk = tl.rsqrt(sk + 1e-6)
-        rq = tl.rsqrt(sq + 1e-6)
+        rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         pm, mm = chunk_offsets64(bos, t0, L, i_h, o_t, H, BT)
         dl = tl.load(dLb + pm, mask=mm, other=0.0)

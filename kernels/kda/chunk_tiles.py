@@ -192,6 +192,20 @@ def chunk_offsets64(bos, t0, L, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def inverse_row_norms(q, k, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """1 / ||k_i|| and 1 / ||q_i|| of one chunk's rows ([64] each, eps 1e-6 as in the forward), over K in BK slices."""
+    sk = tl.zeros((64,), dtype=tl.float32)
+    sq = tl.zeros((64,), dtype=tl.float32)
+    for kb in range(0, K, BK):
+        pk, mk = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
+        x = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
+        sk += tl.sum(x * x, 1)
+        x = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, 1)
+    return tl.rsqrt(sk + 1e-6), tl.rsqrt(sq + 1e-6)
+
+
+@triton.jit
 def unit_lower_inverse(N, PREC: tl.constexpr):
     """(I + N)^-1 for strictly lower-triangular N [16, 16] (fp32): (I - N)(I + N^2)(I + N^4)(I + N^8),
     exact because N^16 = 0."""
