@@ -35,14 +35,11 @@ def test_triton_forward_and_decoding_match_torch_backend_fp32(lower_bound):
     assert (generated == reference).float().mean() > 0.9
 
 
-# Seen on the H200 (triton 3.6), 2026-12-03: one weight's gradient off by 20-40% elementwise (the same model in fp32
-# through the interpreted kernels matches to 5e-6); later an illegal address at these shapes (K = V = 64), which
-# compute-sanitizer traced to the unpipelined 16-wide scans (chunk_fwd.scan_launch now pipelines them). Not yet rerun
-# with that rule; "auto" keeps the torch KDA.
-@pytest.mark.xfail(reason="issue 3: bf16 whole-model gradients through the Triton KDA not yet within tolerance")
+# Stop 8 saw an illegal address at these shapes (K = V = 64), traced by compute-sanitizer to Triton 3.6 miscompiling
+# unpipelined 16-wide bf16 scans; chunk_fwd.scan_launch pipelines them, and this passed on the H200 since.
 def test_triton_training_step_gradients_match_torch_backend_bf16():
     # dense MLPs: top-k routing is discontinuous, and bf16 noise that flips one token's expert changes that expert's
-    # gradient wholesale, whatever the kernels (one of the suspects for the 20-40% seen)
+    # gradient wholesale, whatever the kernels
     triton_model, torch_model = pair(mlp_layer_types=["dense"] * 5)
     input_ids = torch.randint(1, triton_model.config.vocab_size, (2, 130), device="cuda")
     grads = []

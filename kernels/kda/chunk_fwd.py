@@ -12,7 +12,7 @@ cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk``
 
 ``_scan_kernel`` (one program per sequence, head and V tile) walks the chunks in order with the fp32
 state ``S [K, BV]`` in registers: ``delta = U - W S``, ``o = Qg S + A_qk delta``,
-``S <- gamma * S + Kd^T delta``. For the backward it stores ``S`` per chunk and ``delta``.
+``S <- gamma * S + Kd^T delta``. For the backward it stores ``S`` per chunk (fp32 by default) and ``delta``.
 """
 
 import torch
@@ -24,10 +24,12 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 
 # Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
 # registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
-# software-pipelined K loops take it to 3.70 ms. stop_after="chunk" ends the forward after the chunk kernel (per-stage
-# timing only).
+# software-pipelined K loops take it to 3.70 ms. state_fp32: the per-chunk states the backward reads are stored fp32
+# even for bf16 inputs (and so is their gradient): with bf16 states, varlen bf16 dk was off by 2.5e-2 against the
+# fp32 reference (the GPU test's initial states are large); fp32 costs 0.7 ms of 24.3 on forward + backward.
+# stop_after="chunk" ends the forward after the chunk kernel (per-stage timing only).
 CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None,
-              scan_stages=1, inv_prec="ieee", stop_after=None)
+              scan_stages=1, inv_prec="ieee", state_fp32=True, stop_after=None)
 
 
 @triton.jit
@@ -227,7 +229,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
 
     Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None). With ``for_backward`` it skips o and
     returns the buffers the backward needs instead, as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K];
-    gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start) and delta [B, T, H, V] (storage dtype),
+    gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start; fp32 with ``state_fp32``) and delta
+    [B, T, H, V] (storage dtype),
     plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -260,7 +263,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         return None, None
     o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    hbuf = torch.empty(NS, H, K, V, device=dev, dtype=sd) if for_backward else None
+    state_dtype = torch.float32 if CONFIG["state_fp32"] else sd
+    hbuf = torch.empty(NS, H, K, V, device=dev, dtype=state_dtype) if for_backward else None
     dbuf = torch.empty_like(U) if for_backward else None
     BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"])
     _scan_kernel[(triton.cdiv(V, BVs), N * H)](
