@@ -28,7 +28,7 @@ from triton.testing import do_bench
 
 from kda_moe.kernels.kda import kimi_delta_attention
 from kda_moe.kernels.kda.chunk import chunk_kda_triton
-from kda_moe.kernels.kda.recurrent import kda_decode_step
+from kda_moe.kernels.kda.recurrent import kda_decode_step_triton
 
 dev = "cuda"
 SHAPES = [(16, 4096, 16, 128), (4, 16384, 16, 128), (1, 65536, 16, 128), (1, 32768, 96, 128)]
@@ -237,7 +237,7 @@ def main(out):
         state = torch.randn(B, H, K, K, device=dev)
         d = dict(B=B)
         sb = 2 * state.numel() * 4
-        f = lambda: kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=LB)  # noqa: E731
+        f = lambda: kda_decode_step_triton(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=LB)  # noqa: E731
         if B == 256:
             d["knob_ms"] = {}
             for knobs in DECODE_KNOBS:

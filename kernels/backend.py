@@ -48,11 +48,12 @@ def triton_op(name: str) -> Callable:
     return _TRITON_OPS[name]
 
 
-def resolve_backend(requested: str, *tensors: torch.Tensor | None, op: str) -> str:
+def resolve_backend(requested: str, *tensors: torch.Tensor | None, op: str, supported: bool = True) -> str:
     """Return ``"torch"`` or ``"triton"`` for one call of op ``op`` on ``tensors``.
 
     The env var ``KDA_MOE_BACKEND`` (when set and non-empty) overrides ``requested``. ``"auto"``
-    gives ``"triton"`` only if every tensor is on CUDA and a Triton kernel for ``op`` is registered.
+    gives ``"triton"`` only if every tensor is on CUDA, a Triton kernel for ``op`` is registered and the caller
+    says the kernel takes these inputs (``supported``; an explicit ``"triton"`` lets the kernel raise instead).
     An explicit ``"triton"`` never falls back: it raises ``NotImplementedError`` if the kernel is not
     built, and ``ValueError`` for non-CUDA tensors unless ``TRITON_INTERPRET=1``."""
     env = os.environ.get(ENV_VAR, "").strip().lower()
@@ -65,7 +66,7 @@ def resolve_backend(requested: str, *tensors: torch.Tensor | None, op: str) -> s
         return "torch"
     if choice == "auto":
         on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
-        return "triton" if on_cuda and op in _AUTO_TRITON_OPS else "torch"
+        return "triton" if on_cuda and supported and op in _AUTO_TRITON_OPS else "torch"
     triton_op(op)  # raises NotImplementedError when the kernel is not built
     off_cuda = sorted(str(d) for d in devices if d.type != "cuda")
     if off_cuda and os.environ.get("TRITON_INTERPRET") != "1":

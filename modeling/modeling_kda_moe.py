@@ -38,7 +38,7 @@ from ..compat import (
     slice_logits_to_keep,
 )
 from ..configuration import KdaMoeTextConfig
-from ..kernels import gated_rms_norm, kimi_delta_attention, short_conv, short_conv_step
+from ..kernels import gated_rms_norm, kda_decode_step, kimi_delta_attention, short_conv, short_conv_step
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -376,20 +376,35 @@ class KdaMoeDeltaAttention(nn.Module):
             )
         query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
 
-        core_attn_out, recurrent_state = kimi_delta_attention(
-            query,
-            key,
-            value,
-            gate_logits.view(head_shape),
-            beta_logits,
-            self.A_log,
-            self.dt_bias,
-            gate_lower_bound=self.gate_lower_bound,
-            initial_state=recurrent_state,
-            output_final_state=cache is not None,
-            cu_seqlens=cu_seqlens,
-            backend=self.backend,
-        )  # [B, T, H, V], [B, H, K, V] fp32
+        if recurrent_state is not None and seq_len == 1 and not torch.is_grad_enabled():
+            # decoding (generate() runs without autograd): one token per sequence, the cached state updated in place
+            core_attn_out = kda_decode_step(
+                query,
+                key,
+                value,
+                gate_logits.view(head_shape),
+                beta_logits,
+                self.A_log,
+                self.dt_bias,
+                recurrent_state,
+                gate_lower_bound=self.gate_lower_bound,
+                backend=self.backend,
+            )  # [B, 1, H, V]
+        else:
+            core_attn_out, recurrent_state = kimi_delta_attention(
+                query,
+                key,
+                value,
+                gate_logits.view(head_shape),
+                beta_logits,
+                self.A_log,
+                self.dt_bias,
+                gate_lower_bound=self.gate_lower_bound,
+                initial_state=recurrent_state,
+                output_final_state=cache is not None,
+                cu_seqlens=cu_seqlens,
+                backend=self.backend,
+            )  # [B, T, H, V], [B, H, K, V] fp32
         if cache is not None:
             cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=conv_state.shape[-1])
             cache.update_recurrent_state(recurrent_state, self.layer_idx)

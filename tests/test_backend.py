@@ -88,6 +88,8 @@ def test_auto_on_cuda_picks_triton_only_for_registered_ops():
     assert resolve_backend("auto", x, op="kda") == "torch"
     backend.register_triton_op("kda", lambda *a, **kw: None)
     assert resolve_backend("auto", x, op="kda") == "triton"
+    assert resolve_backend("auto", x, op="kda", supported=False) == "torch"  # inputs the kernel does not take
+    assert resolve_backend("triton", x, op="kda", supported=False) == "triton"  # explicit: the kernel raises
     assert resolve_backend("auto", x, torch.randn(2), op="kda") == "torch"  # mixed devices stay on torch
     backend.register_triton_op("kda", lambda *a, **kw: None, auto=False)  # explicit-only kernel
     assert resolve_backend("auto", x, op="kda") == "torch"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kda_moe.kernels import kimi_delta_attention
+from kda_moe.kernels import kda_decode_step, kimi_delta_attention
 from kda_moe.kernels.kda import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
@@ -186,3 +186,21 @@ def test_fused_entry_rejects_bad_inputs_with_a_fix():
         kimi_delta_attention(q[:1], k[:1], v[:1], g[:1], beta[:1], A_log, dt_bias, cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="gate_lower_bound must be negative"):
         kimi_delta_attention(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=5.0)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_decode_step_is_the_fused_entry_at_one_token_with_the_state_in_place(lower_bound):
+    q, k, g = (torch.randn(3, 1, H, K, dtype=torch.float64) for _ in range(3))
+    v, beta = torch.randn(3, 1, H, V, dtype=torch.float64), torch.randn(3, 1, H, dtype=torch.float64)
+    A_log, dt_bias = torch.rand(H, dtype=torch.float64), torch.randn(H * K, dtype=torch.float64)
+    S0 = torch.randn(3, H, K, V, dtype=torch.float64)
+    o_ref, S_ref = kimi_delta_attention(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=lower_bound,
+                                        initial_state=S0, output_final_state=True)
+    state = S0.clone()
+    ptr = state.data_ptr()
+    o = kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=lower_bound)
+    assert o.shape == v.shape and state.data_ptr() == ptr
+    assert torch.allclose(o, o_ref, rtol=1e-12, atol=1e-12) and torch.allclose(state, S_ref, rtol=1e-12, atol=1e-12)
+    flat = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], A_log, dt_bias, S0.clone(),
+                           gate_lower_bound=lower_bound)  # [B, H, *] inputs give [B, H, V]
+    assert flat.shape == (3, H, V) and torch.allclose(flat, o[:, 0], rtol=1e-12, atol=1e-12)

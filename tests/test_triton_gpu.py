@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
-from kda_moe.kernels.kda.recurrent import kda_decode_step  # noqa: E402
+from kda_moe.kernels.kda.recurrent import kda_decode_step_triton  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
@@ -67,7 +67,7 @@ def test_decode_step_matches_reference():
     x = kda_inputs(64, 1, 16, 128, 128, torch.bfloat16, device=dev)
     for lb in (-5.0, None):
         state = x["h0"].clone()
-        o = kda_decode_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
+        o = kda_decode_step_triton(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
                             x["dt_bias"], state, gate_lower_bound=lb)
         g = kda_gate(x["g"][:, 0], x["A_log"], x["dt_bias"], lb)
         ro, rs = kda_step(l2norm(x["q"][:, 0]), l2norm(x["k"][:, 0]), x["v"][:, 0], g,
@@ -120,7 +120,7 @@ def test_compiled_training_and_decode_steps_have_no_graph_break():
 
     def decode_step(q, k, v, g, beta, xc):
         yc = short_conv_step_triton(xc, cw, cs)
-        return kda_decode_step(q, k, v, g, beta, x["A_log"], x["dt_bias"], state, gate_lower_bound=-5.0), yc
+        return kda_decode_step_triton(q, k, v, g, beta, x["A_log"], x["dt_bias"], state, gate_lower_bound=-5.0), yc
 
     o, yc = torch.compile(decode_step, fullgraph=True)(x["q"][:, 0].detach(), x["k"][:, 0].detach(),
                                                      x["v"][:, 0].detach(), x["g"][:, 0].detach(),

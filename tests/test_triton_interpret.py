@@ -17,9 +17,9 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
-from kda_moe.kernels.kda import kimi_delta_attention  # noqa: E402
+from kda_moe.kernels import backend  # noqa: E402
+from kda_moe.kernels.kda import kda_decode_step, kimi_delta_attention  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
-from kda_moe.kernels.kda.recurrent import kda_decode_step  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
@@ -95,12 +95,29 @@ def test_decode_step_updates_state_in_place_like_reference(lb):
     state = x["h0"].clone()
     ptr = state.data_ptr()
     o = kda_decode_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
-                        x["dt_bias"], state, gate_lower_bound=lb)
+                        x["dt_bias"], state, gate_lower_bound=lb, backend="triton")
     g = kda_gate(x["g"][:, 0], x["A_log"], x["dt_bias"], lb)
     ro, rs = kda_step(l2norm(x["q"][:, 0]), l2norm(x["k"][:, 0]), x["v"][:, 0], g, torch.sigmoid(x["beta"][:, 0]),
                       K ** -0.5, x["h0"])
     assert state.data_ptr() == ptr
     assert rel(o, ro) < 1e-5 and rel(state, rs) < 1e-5
+
+
+def test_model_generates_through_the_triton_kernels_like_the_reference(monkeypatch):
+    """Prefill through the chunked kernels, then one decode-kernel step per KDA layer and new token."""
+    from conftest import tiny_model
+
+    steps = []
+    decode = backend.triton_op("kda_decode_step")
+    monkeypatch.setitem(backend._TRITON_OPS, "kda_decode_step", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
+    models = [tiny_model(seed=0, kernel_backend=b, linear_head_dim=16) for b in ("triton", "torch")]
+    input_ids = torch.randint(1, models[0].config.vocab_size, (2, 7))
+    with torch.no_grad():
+        out = [m.generate(input_ids, max_new_tokens=4, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True) for m in models]
+    assert len(steps) == 3 * 3  # 3 KDA layers, 3 tokens decoded after the prefill's
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])

@@ -4,14 +4,17 @@ import torch
 
 from ..backend import resolve_backend, triton_op
 from .reference import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
+from .tile_limits import fits_triton_tiles
 
-try:  # registers the Triton kernel; machines without Triton (CPU wheels of torch) keep the reference
-    from . import chunk  # noqa: F401
+try:  # registers the Triton kernels; machines without Triton (CPU wheels of torch) keep the reference
+    from . import chunk, recurrent  # noqa: F401
 except ImportError:
     pass
 
 
-def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
+def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound):
+    if gate_lower_bound is not None and not gate_lower_bound < 0:
+        raise ValueError(f"gate_lower_bound must be negative (e.g. -5.0) or None, got {gate_lower_bound}.")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}.")
     B, T, H, K = q.shape
@@ -70,10 +73,9 @@ def kimi_delta_attention(
     g: ``[B, T, H, K]`` raw gate logits f_b(f_a(x)) (dt_bias NOT added); beta: ``[B, T, H]`` logits
     (pre-sigmoid); A_log ``[H]`` fp32, dt_bias ``[H*K]`` fp32. cu_seqlens ``[N+1]`` packs N sequences
     into B == 1. Returns ``(o [B, T, H, V] in v.dtype, final_state [B or N, H, K, V] fp32 or None)``."""
-    _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-    if gate_lower_bound is not None and not gate_lower_bound < 0:
-        raise ValueError(f"gate_lower_bound must be negative (e.g. -5.0) or None, got {gate_lower_bound}.")
-    if resolve_backend(backend, q, k, v, g, beta, op="kda") == "triton":
+    _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound)
+    supported = fits_triton_tiles(q.shape[-1], v.shape[-1])
+    if resolve_backend(backend, q, k, v, g, beta, op="kda", supported=supported) == "triton":
         return triton_op("kda")(
             q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=gate_lower_bound, scale=scale,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -87,4 +89,41 @@ def kimi_delta_attention(
     return chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
-__all__ = ["kimi_delta_attention", "chunk_kda", "recurrent_kda", "kda_step", "kda_gate", "l2norm"]
+def kda_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    gate_lower_bound: float | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decoding step for a batch of sequences: ``kimi_delta_attention`` at T = 1 with the state updated IN
+    PLACE (fixed address, no allocation but the output, so a CUDA graph can capture it).
+
+    q, k, g: ``[B, 1, H, K]`` or ``[B, H, K]``; v: ``[B, 1, H, V]`` or ``[B, H, V]``; beta: ``[B, 1, H]`` or
+    ``[B, H]`` (raw, as for ``kimi_delta_attention``); state: ``[B, H, K, V]``. Returns o shaped like v. The Triton
+    kernel takes a contiguous fp32 state; ``"auto"`` runs any other on the reference."""
+    B, H, K, V = state.shape
+    out_shape = v.shape
+    q, k, g, v = (t.reshape(B, 1, H, -1) for t in (q, k, g, v))
+    _check_inputs(q, k, v, g, beta.reshape(B, 1, H), A_log, dt_bias, state, None, gate_lower_bound)
+    supported = fits_triton_tiles(K, V) and state.dtype == torch.float32 and state.is_contiguous()
+    if resolve_backend(backend, q, k, v, g, beta, state, op="kda_decode_step", supported=supported) == "triton":
+        o = triton_op("kda_decode_step")(q, k, v, g, beta.reshape(B, H), A_log, dt_bias, state,
+                                         gate_lower_bound=gate_lower_bound, scale=scale)
+    else:
+        qn, kn = l2norm(q[:, 0]), l2norm(k[:, 0])
+        o, new_state = kda_step(qn, kn, v[:, 0], kda_gate(g[:, 0], A_log, dt_bias, gate_lower_bound),
+                                torch.sigmoid(beta.reshape(B, H).to(qn.dtype)), K ** -0.5 if scale is None else scale,
+                                state)
+        state.copy_(new_state)
+    return o.reshape(out_shape)
+
+
+__all__ = ["kimi_delta_attention", "kda_decode_step", "chunk_kda", "recurrent_kda", "kda_step", "kda_gate", "l2norm"]

@@ -26,6 +26,7 @@ import torch
 
 from .chunk_bwd import chunk_kda_bwd
 from .chunk_fwd import chunk_kda_fwd
+from .tile_limits import require_triton_tiles
 from ..backend import register_triton_op
 
 _EMPTY = (0,)
@@ -108,8 +109,7 @@ def chunk_kda_triton(
 ):
     """Triton KDA (chunked, chunk 64); same arguments and result as the public ``kimi_delta_attention``."""
     B, T, H, K = q.shape
-    if K & (K - 1) or K < 16 or v.shape[-1] & (v.shape[-1] - 1) or v.shape[-1] < 16:
-        raise ValueError(f"the Triton KDA kernels need K and V powers of two >= 16, got K={K}, V={v.shape[-1]}.")
+    require_triton_tiles(K, v.shape[-1])
     scale = K ** -0.5 if scale is None else float(scale)
     lb = None if gate_lower_bound is None else float(gate_lower_bound)
     g4 = g.reshape(B, T, H, K)
@@ -120,7 +120,4 @@ def chunk_kda_triton(
     return o, (ht if output_final_state else None)
 
 
-# Explicit kernel_backend="triton" only, until the bf16 backward passes the GPU tests at every shape: the scans'
-# miscompile (see chunk_fwd.scan_launch) gave wrong gradients and an illegal address at few sequence-heads, and the
-# launch rule that avoids it is not yet checked there as a whole. "auto" keeps the reference.
-register_triton_op("kda", chunk_kda_triton, auto=False)
+register_triton_op("kda", chunk_kda_triton)

@@ -1,6 +1,6 @@
 """KDA decoding: one token for a batch of sequences, state updated in place.
 
-``kda_decode_step`` takes the same raw inputs as ``kimi_delta_attention`` for one token
+``kda_decode_step_triton`` takes the same raw inputs as ``kimi_delta_attention`` for one token
 (q, k, g: ``[B, H, K]`` or ``[B, 1, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``; unnormalised q/k,
 raw gate logits and beta logits) and the fp32 state ``[B, H, K, V]``, which it overwrites in place:
 no allocation besides the output, fixed addresses, one launch, so a CUDA graph can capture it.
@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from .chunk_tiles import gate as _gate
+from .tile_limits import require_triton_tiles
+from ..backend import register_triton_op
 
 # launch knobs (benchmarks/kda.py times the alternatives at batch 256)
 CONFIG = dict(bv=32, warps=4)
@@ -67,13 +69,14 @@ def _(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound, scale):
     return v.new_empty((B, H, V))
 
 
-def kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, *, gate_lower_bound=None, scale=None):
+def kda_decode_step_triton(q, k, v, g, beta, A_log, dt_bias, state, *, gate_lower_bound=None, scale=None):
     """One KDA decoding step on raw inputs; ``state`` (fp32 ``[B, H, K, V]``, contiguous) is updated
     in place. Returns o ``[B, H, V]`` (``[B, 1, H, V]`` if q was ``[B, 1, H, K]``) in v.dtype."""
     squeeze = q.dim() == 4
     B, H, K, V = state.shape
+    require_triton_tiles(K, V)
     if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("kda_decode_step needs a contiguous fp32 state [B, H, K, V] (it is updated in place).")
+        raise ValueError("the Triton KDA decode step needs a contiguous fp32 state [B, H, K, V] (updated in place).")
     q, k, g = (t.reshape(B, H, K).contiguous() for t in (q, k, g))
     v = v.reshape(B, H, V).contiguous()
     beta = beta.reshape(B, H).contiguous()
@@ -81,3 +84,6 @@ def kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, *, gate_lower_bound
     lb = None if gate_lower_bound is None else float(gate_lower_bound)
     o = kda_decode_step_op(q, k, v, g, beta, A_log, dt_bias, state, lb, scale)
     return o.unsqueeze(1) if squeeze else o
+
+
+register_triton_op("kda_decode_step", kda_decode_step_triton)
