@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
+from kda_moe.kernels.kda import kda_decode_step  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
 from kda_moe.kernels.kda.recurrent import kda_decode_step_triton  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
@@ -67,8 +68,8 @@ def test_decode_step_matches_reference():
     x = kda_inputs(64, 1, 16, 128, 128, torch.bfloat16, device=dev)
     for lb in (-5.0, None):
         state = x["h0"].clone()
-        o = kda_decode_step_triton(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
-                            x["dt_bias"], state, gate_lower_bound=lb)
+        o = kda_decode_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["A_log"],
+                            x["dt_bias"], state, gate_lower_bound=lb, backend="triton")
         g = kda_gate(x["g"][:, 0], x["A_log"], x["dt_bias"], lb)
         ro, rs = kda_step(l2norm(x["q"][:, 0]), l2norm(x["k"][:, 0]), x["v"][:, 0], g,
                           torch.sigmoid(x["beta"][:, 0].float()), 128 ** -0.5, x["h0"])
