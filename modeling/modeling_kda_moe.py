@@ -376,29 +376,15 @@ class KdaMoeDeltaAttention(nn.Module):
             )
         query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
 
+        kda_inputs = (query, key, value, gate_logits.view(head_shape), beta_logits, self.A_log, self.dt_bias)
         if recurrent_state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decoding (generate() runs without autograd): one token per sequence, the cached state updated in place
             core_attn_out = kda_decode_step(
-                query,
-                key,
-                value,
-                gate_logits.view(head_shape),
-                beta_logits,
-                self.A_log,
-                self.dt_bias,
-                recurrent_state,
-                gate_lower_bound=self.gate_lower_bound,
-                backend=self.backend,
+                *kda_inputs, recurrent_state, gate_lower_bound=self.gate_lower_bound, backend=self.backend
             )  # [B, 1, H, V]
         else:
             core_attn_out, recurrent_state = kimi_delta_attention(
-                query,
-                key,
-                value,
-                gate_logits.view(head_shape),
-                beta_logits,
-                self.A_log,
-                self.dt_bias,
+                *kda_inputs,
                 gate_lower_bound=self.gate_lower_bound,
                 initial_state=recurrent_state,
                 output_final_state=cache is not None,
