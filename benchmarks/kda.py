@@ -2,14 +2,17 @@
 vs the PyTorch reference; forward, forward+backward and the decode step, with the matmul and copy
 ceilings measured in the same run.
 
-    python benchmarks/kda.py OUTDIR [fast] [decode] [tune|stages]     (kda_moe importable; fla 0.6.0 for its columns)
+    python benchmarks/kda.py OUTDIR [fast] [decode|nodecode] [shapes=16x4096x16,...] [tune|stages]
+                                                                      (kda_moe importable; fla 0.6.0 for its columns)
 
 ``fast`` drops the slow columns (our softplus path, the torch reference) and the per-stage times; ``decode``
 runs only the ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
 the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments);
-``stages`` tunes only the first two (pipelining depth of the forward chunk and the gate-gradient kernels).
+``stages`` tunes only the first two (pipelining depth of the forward chunk and the gate-gradient kernels);
+``shapes=`` keeps only the listed shapes (B x T x H); ``nodecode`` skips the decode table.
 
-Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json; prints the table last.
+Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json after every row (a run cut short keeps what it
+measured); prints the table last. At the first shape it also gives fla's gradient errors beside ours.
 Inputs are bf16, H heads of K = V = 128, gate / l2norm / beta sigmoid inside the kernels on every
 side (fla: ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel``).
 TFLOP/s uses the nominal chunked-algorithm count (per token and head: 4*64*K for A_kk/A_qk,
@@ -72,18 +75,35 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def grad_errors(ins, A_log, dt_bias, do):
-    """Relative errors of our bf16 gradients (q, k, v, g, beta, A_log, dt_bias; bounded gate) against the fp32
-    torch reference on the same inputs and output cotangent."""
-    grads = []
-    for leaves, backend in (([t.detach().requires_grad_() for t in ins], "triton"),
-                            ([t.detach().float().requires_grad_() for t in ins], "torch")):
+def fla_kda(chunk_kda, safe):
+    """fla's ``chunk_kda`` with the gate, q/k L2 norms and beta's sigmoid in its kernels, as
+    ``fn(q, k, v, g, beta, A_log, dt_bias) -> o``; ``safe``: ``safe_gate=True`` with our lower bound."""
+    def fn(q, k, v, g, beta, A_log, dt_bias):
+        return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=safe,
+                         lower_bound=LB if safe else None)[0]
+    return fn
+
+
+def grad_errors(ins, A_log, dt_bias, do, others):
+    """Relative errors of bf16 gradients (q, k, v, g, beta, A_log, dt_bias; bounded gate) against the fp32 torch
+    reference on the same inputs and output cotangent: ours, and each of ``others`` ({name: fn(q, k, v, g, beta,
+    A_log, dt_bias) -> o}, e.g. fla's as a yardstick). A gradient an implementation does not produce is left out."""
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in ins]
         params = [A_log.detach().clone().requires_grad_(), dt_bias.detach().clone().requires_grad_()]
-        o = kimi_delta_attention(*leaves, *params, gate_lower_bound=LB, backend=backend)[0]
-        grads.append(torch.autograd.grad(o, leaves + params, do.to(o.dtype)))
-        del o
+        o = fn(*leaves, *params)
+        return torch.autograd.grad(o, leaves + params, do.to(o.dtype), allow_unused=True)
+
+    def kda(backend):
+        return lambda *a: kimi_delta_attention(*a, gate_lower_bound=LB, backend=backend)[0]
+
+    ref = grads(kda("torch"), torch.float32)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-    return {n: rel(a, b) for n, a, b in zip(names, *grads)}
+    errors = {}
+    for name, fn in {"ours": kda("triton"), **others}.items():
+        errors[name] = {n: rel(a, b) for n, a, b in zip(names, grads(fn, ins[0].dtype), ref) if a is not None}
+    return errors
 
 
 def kernel_stats():
@@ -158,6 +178,8 @@ def main(out):
     res["matmul_tflops"], res["copy_GBps"] = ceilings()
     print(f"ceilings: bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s", flush=True)
     decode_only = "decode" in sys.argv[2:]
+    picked = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("shapes=")]
+    shapes = [s for s in SHAPES if not picked or "x".join(map(str, s[:3])) in picked[0].split(",")]
     knobs = KNOBS if "tune" in sys.argv[2:] else KNOBS[:2] if "stages" in sys.argv[2:] else []
     if not decode_only and (knobs or "fast" not in sys.argv[2:]):
         tune(res, knobs)
@@ -167,8 +189,9 @@ def main(out):
         print("fla not importable:", e)
         chunk_kda = fused_recurrent_kda = None
 
-    rows = []
-    for (B, T, H, K) in ([] if decode_only else SHAPES):
+    rows, dec = [], []
+    res["rows"], res["decode"] = rows, dec
+    for (B, T, H, K) in ([] if decode_only else shapes):
         q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
         ins = [q, k, v, g, beta]
         row = dict(B=B, T=T, H=H, K=K)
@@ -180,12 +203,9 @@ def main(out):
             "ours_softplus": lambda: chunk_kda_triton(q, k, v, g, beta, A_log, dt_bias)[0],
         }
         if chunk_kda is not None:
-            def fla(safe):
-                kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                          A_log=A_log, dt_bias=dt_bias, safe_gate=safe, lower_bound=LB if safe else None)
-                return lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
-            variants["fla_safe"] = fla(True)
-            variants["fla_nosafe"] = fla(False)
+            fla_safe, fla_nosafe = fla_kda(chunk_kda, True), fla_kda(chunk_kda, False)
+            variants["fla_safe"] = lambda: fla_safe(q, k, v, g, beta, A_log, dt_bias)
+            variants["fla_nosafe"] = lambda: fla_nosafe(q, k, v, g, beta, A_log, dt_bias)
         if "fast" in sys.argv[2:]:  # skip the slow columns (ours softplus, torch reference)
             variants.pop("ours_softplus")
         elif B * T * H <= 16 * 4096 * 16:
@@ -217,19 +237,22 @@ def main(out):
                     del ro
                 row["finite"] = bool(torch.isfinite(o).all())
             if B * T * H <= SHAPES[0][0] * SHAPES[0][1] * SHAPES[0][2]:
-                row["rel_err_grads_bounded"] = grad_errors(ins, A_log, dt_bias, do)
+                others = {} if chunk_kda is None else {"fla_safe": fla_safe}
+                errors = grad_errors(ins, A_log, dt_bias, do, others)
+                row["rel_err_grads_bounded"] = errors.pop("ours")
+                row.update({f"rel_err_grads_{name}": e for name, e in errors.items()})
         except Exception:  # noqa: BLE001
             row["check_error"] = traceback.format_exc(limit=3)[-600:]
         rows.append(row)
         print(row, flush=True)
+        write_tables(res, out)  # after every row: a call cut short still leaves its table
         del q, k, v, g, beta, ins, do
         torch.cuda.empty_cache()
 
     # decode: one token for B sequences, fp32 state [B, 16, 128, 128] updated in place
     H, K = 16, 128
-    dec = []
     from kda_moe.kernels.kda import recurrent
-    for B in [256, 1, 64]:  # 256 first: its launch knobs are picked for all three
+    for B in ([] if "nodecode" in sys.argv[2:] else [256, 1, 64]):  # 256 first: its launch knobs are picked for all three
         q, k, v, g = (torch.randn(B, H, K, device=dev, dtype=torch.bfloat16) for _ in range(4))
         beta = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
@@ -267,13 +290,17 @@ def main(out):
         d["frac_copy"] = max(d["ours_GBps"], d["ours_graph_GBps"]) / res["copy_GBps"]
         dec.append(d)
         print(d, flush=True)
-    dec.sort(key=lambda d: d["B"])
-    res["rows"], res["decode"] = rows, dec
+        write_tables(res, out)
+    print(write_tables(res, out))
 
+
+def write_tables(res, out):
+    """Write OUTDIR/kda_bench.md and kda_bench.json from what ``res`` holds so far; returns the markdown."""
+    rows, dec = res["rows"], sorted(res["decode"], key=lambda d: d["B"])
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, triton {res['triton']}. Ceilings in this run: bf16 matmul "
           f"{res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s.", "",
           "| B x T x H | pass | ours bounded | ours softplus | fla safe_gate | fla no safe | torch ref | "
-          "ours/fla-safe | ours TFLOP/s | ours GB/s | rel err: o (bnd / sp), worst grad (bnd) |",
+          "ours/fla-safe | ours TFLOP/s | ours GB/s | rel err: o (bnd / sp), worst grad (bnd): ours; fla |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: f"{x:.2f} ms" if isinstance(x, float) else "-"  # noqa: E731
     for r in rows:
@@ -283,9 +310,10 @@ def main(out):
             mult = 3 if p == "fwdbwd" else 1
             tf = f"{mult * flops(r['B'], r['T'], r['H'], r['K']) / ours / 1e9:.0f}" if ours else "-"
             gb = f"{min_bytes(r['B'], r['T'], r['H'], r['K'], bwd=p == 'fwdbwd') / ours / 1e6:.0f}" if ours else "-"
-            ge = r.get("rel_err_grads_bounded")
+            ge, gf = r.get("rel_err_grads_bounded"), r.get("rel_err_grads_fla_safe")
+            worst = lambda e: f"{max(e.values()):.1e} ({max(e, key=e.get)})" if e else "-"  # noqa: E731
             err = (f"{r.get('rel_err_o_bounded', float('nan')):.1e} / {r.get('rel_err_o_softplus', float('nan')):.1e}"
-                   if p == "fwd" else f"{max(ge.values()):.1e} ({max(ge, key=ge.get)})" if ge else "")
+                   if p == "fwd" else f"{worst(ge)}; fla {worst(gf)}" if ge else "")
             md.append(f"| {r['B']}x{r['T']}x{r['H']} | {p} | {fmt(ours)} | {fmt(r.get(f'ours_softplus_{p}_ms'))} | "
                       f"{fmt(fs)} | {fmt(r.get(f'fla_nosafe_{p}_ms'))} | {fmt(r.get(f'torch_ref_{p}_ms'))} | {ratio} | "
                       f"{tf} | {gb} | {err} |")
@@ -298,7 +326,7 @@ def main(out):
     text = "\n".join(md)
     open(os.path.join(out, "kda_bench.md"), "w").write(text + "\n")
     json.dump(res, open(os.path.join(out, "kda_bench.json"), "w"), indent=1)
-    print(text)
+    return text
 
 
 if __name__ == "__main__":
