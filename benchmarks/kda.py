@@ -100,9 +100,15 @@ def grad_errors(ins, A_log, dt_bias, do, others):
 
     ref = grads(kda("torch"), torch.float32)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-    errors = {}
-    for name, fn in {"ours": kda("triton"), **others}.items():
-        errors[name] = {n: rel(a, b) for n, a, b in zip(names, grads(fn, ins[0].dtype), ref) if a is not None}
+    def errors_of(fn):
+        return {n: rel(a, b) for n, a, b in zip(names, grads(fn, ins[0].dtype), ref) if a is not None}
+
+    errors = {"ours": errors_of(kda("triton"))}
+    for name, fn in others.items():
+        try:
+            errors[name] = errors_of(fn)
+        except Exception as e:  # noqa: BLE001  (a yardstick that fails leaves ours standing)
+            print(f"{name} gradients failed: {e!r}"[:300], flush=True)
     return errors
 
 
