@@ -34,7 +34,7 @@ def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen):
         x = kda_inputs(1, 150, 2, 16, 32, torch.float32, N=4)
     else:
         cu = None
-        x = kda_inputs(2, 80, 2, 32, 16, torch.float32)
+        x = kda_inputs(2, 80, 2, 64, 16, torch.float32)  # K = 64: two 32-wide K slices in every kernel
     o, ht, grads = kda_forward_backward(x, lb, cu, True)
     ro, rht, rgrads = kda_forward_backward(x, lb, cu, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
