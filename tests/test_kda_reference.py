@@ -204,3 +204,17 @@ def test_decode_step_is_the_fused_entry_at_one_token_with_the_state_in_place(low
     flat = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], A_log, dt_bias, S0.clone(),
                            gate_lower_bound=lower_bound)  # [B, H, *] inputs give [B, H, V]
     assert flat.shape == (3, H, V) and torch.allclose(flat, o[:, 0], rtol=1e-12, atol=1e-12)
+
+
+def test_decode_step_rejects_inputs_that_are_not_one_token_of_its_state():
+    q, k, g = (torch.randn(2, 1, H, K) for _ in range(3))
+    v, beta, A_log, dt_bias = torch.randn(2, 1, H, V), torch.randn(2, 1, H), torch.zeros(H), torch.zeros(H * K)
+    state = torch.zeros(2, H, K, V)
+    with pytest.raises(ValueError, match="one token per sequence.*use kimi_delta_attention"):
+        kda_decode_step(q.expand(2, 3, H, K), k, v, g, beta, A_log, dt_bias, state)
+    with pytest.raises(ValueError, match=r"state must be \[B, H, K, V\]"):
+        kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state[0])
+    with pytest.raises(ValueError, match="k must have the shape of q"):
+        kda_decode_step(q, k[..., :8], v, g, beta, A_log, dt_bias, state)
+    with pytest.raises(ValueError, match="gate_lower_bound must be negative"):
+        kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=1.0)

@@ -109,7 +109,15 @@ def kda_decode_step(
     q, k, g: ``[B, 1, H, K]`` or ``[B, H, K]``; v: ``[B, 1, H, V]`` or ``[B, H, V]``; beta: ``[B, 1, H]`` or
     ``[B, H]`` (raw, as for ``kimi_delta_attention``); state: ``[B, H, K, V]``. Returns o shaped like v. The Triton
     kernel takes a contiguous fp32 state; ``"auto"`` runs any other on the reference."""
+    if state.dim() != 4:
+        raise ValueError(f"state must be [B, H, K, V], got shape {tuple(state.shape)}.")
     B, H, K, V = state.shape
+    if q.numel() != B * H * K or v.numel() != B * H * V:
+        raise ValueError(
+            f"kda_decode_step takes one token per sequence of the state {tuple(state.shape)}: q [B, H, K] = "
+            f"{(B, H, K)} and v [B, H, V] = {(B, H, V)} (or with a length-1 time axis), got q {tuple(q.shape)} and "
+            f"v {tuple(v.shape)}; use kimi_delta_attention for longer inputs."
+        )
     out_shape = v.shape
     q, k, g, v = (t.reshape(B, 1, H, -1) for t in (q, k, g, v))
     _check_inputs(q, k, v, g, beta.reshape(B, 1, H), A_log, dt_bias, state, None, gate_lower_bound)
