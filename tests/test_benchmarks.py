@@ -1,0 +1,50 @@
+"""benchmarks/kda.py end to end on CPU under the Triton interpreter, with stand-in timings: its plumbing (variants,
+error checks, tables) must not rot between the GPU runs that use it. The numbers are not checked here."""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs the Triton kernels in the interpreter (no CUDA)", allow_module_level=True)
+pytest.importorskip("triton")
+
+
+def load_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kda.py"
+    spec = importlib.util.spec_from_file_location("kda_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
+    bench = load_benchmark()
+    make = bench.make
+
+    def make_fp32(B, T, H, K):  # the interpreter's bf16 tl.dot is wrong, so the stand-in run is fp32
+        return tuple(t.float() for t in make(B, T, H, K))
+
+    monkeypatch.setattr(bench, "dev", "cpu")
+    monkeypatch.setattr(bench, "SHAPES", [(1, 70, 2, 16), (1, 64, 1, 16)])
+    monkeypatch.setattr(bench, "make", make_fp32)
+    monkeypatch.setattr(bench, "ceilings", lambda: (1.0, 1.0))
+    monkeypatch.setattr(bench, "bench", lambda fn, grad_to_none=None, rep=100: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (interpreter)")
+    monkeypatch.setattr(sys, "argv", ["kda.py", str(tmp_path), "fast", "nodecode", "shapes=1x70x2"])
+    bench.main(str(tmp_path))
+
+    result = json.loads((tmp_path / "kda_bench.json").read_text())
+    (row,) = result["rows"]  # shapes= kept one of the two
+    assert (row["B"], row["T"], row["H"]) == (1, 70, 2) and "check_error" not in row
+    assert row["ours_bounded_fwd_ms"] == row["ours_bounded_fwdbwd_ms"] == 1.0
+    assert row["rel_err_o_bounded"] < 1e-4 and row["rel_err_o_softplus"] < 1e-4 and row["finite"]
+    assert set(row["rel_err_grads_bounded"]) == {"q", "k", "v", "g", "beta", "A_log", "dt_bias"}
+    assert max(row["rel_err_grads_bounded"].values()) < 1e-3
+    table = (tmp_path / "kda_bench.md").read_text()
+    assert "| 1x70x2 | fwd | 1.00 ms |" in table and "| 1x70x2 | fwdbwd | 1.00 ms |" in table
