@@ -48,3 +48,21 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
     assert max(row["rel_err_grads_bounded"].values()) < 1e-3
     table = (tmp_path / "kda_bench.md").read_text()
     assert "| 1x70x2 | fwd | 1.00 ms |" in table and "| 1x70x2 | fwdbwd | 1.00 ms |" in table
+
+
+def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
+    """The interpreter accepts code the compiler rejects: compile every chunked-KDA kernel for sm_90 (no GPU
+    needed) through benchmarks/compile_report.py, in a process without the interpreter."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_report.py"), "bf16"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()[1:] if "#" in line]
+    kernels = {row[0].split("#")[0] for row in rows}
+    assert kernels == {"_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel",
+                       "_gate_grads_kernel"}, out.stdout
+    for name, warps, regs, stack, shared in rows:
+        assert int(shared) <= 227 * 1024, (name, shared)  # the most shared memory one H100 / H200 block can have
