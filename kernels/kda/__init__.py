@@ -126,10 +126,9 @@ def kda_decode_step(
         o = triton_op("kda_decode_step")(q, k, v, g, beta.reshape(B, H), A_log, dt_bias, state,
                                          gate_lower_bound=gate_lower_bound, scale=scale)
     else:
-        qn, kn = l2norm(q[:, 0]), l2norm(k[:, 0])
-        o, new_state = kda_step(qn, kn, v[:, 0], kda_gate(g[:, 0], A_log, dt_bias, gate_lower_bound),
-                                torch.sigmoid(beta.reshape(B, H).to(qn.dtype)), K ** -0.5 if scale is None else scale,
-                                state)
+        o, new_state = kimi_delta_attention(q, k, v, g, beta.reshape(B, 1, H), A_log, dt_bias,
+                                            gate_lower_bound=gate_lower_bound, scale=scale, initial_state=state,
+                                            output_final_state=True, backend="torch")
         state.copy_(new_state)
     return o.reshape(out_shape)
 

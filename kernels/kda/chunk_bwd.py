@@ -28,8 +28,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # kernel's score gradients (gate_fp32=False) took the backward from 20.67 to 18.35 ms, and 4 warps there to 16.58 ms,
 # but the gate gradients lost accuracy: dt_bias 2.5e-2 at 16x512x16, and in the GPU test (2x2048x4) dg 1.7e-2 and,
 # softplus gate, A_log 7.9e-2 (targets 1e-2). So the products stay tf32, at 8 warps (4 spill 0.8-1.9 KB with fp32
-# operands). Pipelined state-kernel loops: 16.43 ms; register caps made both
-# kernels slower. stop_after ends the backward early (stage timing only).
+# operands). Pipelined state-kernel loops: 16.43 ms; register caps made both kernels slower. stop_after ends the
+# backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
               state_maxnreg=None, gate_warps=8, gate_bk=32, gate_stages=1, gate_maxnreg=None, gate_fp32=True,
               stop_after=None)
