@@ -62,8 +62,9 @@ def compile_all(dtype, fwd_config, bwd_config):
         q, k, v, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(4))
         beta, A_log, dt_bias = torch.randn(B, T, H, dtype=dtype), torch.zeros(H), torch.zeros(H * K)
         for lb in (-5.0, None):
-            chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, False, None)
-            chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, None, v, None)
+            _, _, scores = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, False, None,
+                                                   keep_scores=True)
+            chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, None, v, None, scores)
     finally:
         JITFunction.run = launch
     return compiled

@@ -153,9 +153,13 @@ def tune(res, knobs):
     B, T, H, K = SHAPES[0]
     q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
     do = torch.randn_like(v)
-    run = {"fwd": lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None),
+    def forward():
+        return chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None,
+                                       keep_scores=True)
+    scores = forward()[2]
+    run = {"fwd": forward,
            "bwd": lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do,
-                                                  None)}
+                                                  None, scores)}
     t = {}
     for which, knob, values in knobs:
         for val in values:

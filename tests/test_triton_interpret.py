@@ -44,6 +44,27 @@ def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen):
         assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
 
 
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
+    """Under autograd the forward keeps A_qk and T for the backward, which then skips the gated scores and the
+    inverse; its gradients are those of a backward that recomputes everything (varlen, with states)."""
+    from kda_moe.kernels.kda.chunk_bwd import chunk_kda_bwd
+    from kda_moe.kernels.kda.chunk_fwd import chunk_kda_fwd
+
+    cu = torch.tensor([0, 30, 100, 150])
+    x = kda_inputs(1, 150, 2, 32, 16, torch.float32, N=3)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")] + [lb, 0.3, x["h0"]]
+    o, ht, scores = chunk_kda_fwd(*args, True, cu, keep_scores=True)
+    plain_o, _, none = chunk_kda_fwd(*args, True, cu)
+    assert none is None and torch.equal(o, plain_o)
+    assert [s.shape for s in scores] == [(1, 150, 2, 64)] * 2
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    kept = chunk_kda_bwd(*args, cu, do, dht, scores)
+    recomputed = chunk_kda_bwd(*args, cu, do, dht)
+    for a, b in zip(kept, recomputed):
+        assert rel(a, b) < 1e-6
+
+
 @pytest.mark.parametrize("state_fp32", [True, False], ids=["fp32-states", "bf16-states"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 def test_chunk_kda_bf16_buffers_with_fp32_products(varlen, state_fp32, monkeypatch):
@@ -188,4 +209,5 @@ def test_custom_ops_pass_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     k = kda_inputs(1, 20, 1, 16, 16, torch.float32)
     args = (k["q"], k["k"], k["v"], k["g"], k["beta"], k["A_log"], k["dt_bias"], k["h0"], None, -5.0, 0.25, True)
-    torch.library.opcheck(kda_chunk_fwd_op, args, test_utils=("test_schema", "test_faketensor"))
+    for keep_scores in (True, False):
+        torch.library.opcheck(kda_chunk_fwd_op, args + (keep_scores,), test_utils=("test_schema", "test_faketensor"))

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 from .chunk_bwd import chunk_kda_bwd
-from .chunk_fwd import chunk_kda_fwd
+from .chunk_fwd import chunk_kda_fwd, storage_dtype
+from .chunk_tiles import BT
 from .tile_limits import require_triton_tiles
 from ..backend import register_triton_op
 
@@ -41,21 +42,32 @@ def kda_chunk_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float, output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state,
-                          output_final_state, cu_seqlens)
-    return o, (ht if ht is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+    keep_scores: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, final state, A_qk, T); the last two are the chunk matrices the backward reuses (``keep_scores``)."""
+    o, ht, scores = chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state,
+                                  output_final_state, cu_seqlens, keep_scores=keep_scores)
+    Aqk, Tm = scores if keep_scores else (_empty(q), _empty(q))
+    return o, (ht if ht is not None else _empty(q, torch.float32)), Aqk, Tm
+
+
+def _empty(like, dtype=None):
+    return like.new_empty(_EMPTY, dtype=dtype)
 
 
 @kda_chunk_fwd_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state):
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state,
+      keep_scores):
     B, T, H, K = q.shape
     o = v.new_empty(v.shape)
     if output_final_state:
         ht = q.new_empty((_num_states(q, cu_seqlens), H, K, v.shape[-1]), dtype=torch.float32)
     else:
-        ht = q.new_empty(_EMPTY, dtype=torch.float32)
-    return o, ht
+        ht = _empty(q, torch.float32)
+    if keep_scores:
+        sd = storage_dtype(v)
+        return o, ht, q.new_empty((B, T, H, BT.value), dtype=sd), q.new_empty((B, T, H, BT.value), dtype=sd)
+    return o, ht, _empty(q), _empty(q)
 
 
 @torch.library.custom_op("kda_moe::kda_chunk_bwd", mutates_args=())
@@ -63,39 +75,42 @@ def kda_chunk_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float,
-    do: torch.Tensor, dht: Optional[torch.Tensor],
+    do: torch.Tensor, dht: Optional[torch.Tensor], Aqk: Optional[torch.Tensor], Tm: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``kda_chunk_fwd``; ``Aqk``/``Tm``: its kept chunk matrices, or None to recompute them."""
+    scores = (Aqk, Tm) if Aqk is not None else None
     dq, dk, dv, dg, db, dA, ddt, dh0 = chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale,
-                                                    initial_state, cu_seqlens, do, dht)
-    return dq, dk, dv, dg, db, dA, ddt, (dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+                                                    initial_state, cu_seqlens, do, dht, scores)
+    return dq, dk, dv, dg, db, dA, ddt, (dh0 if dh0 is not None else _empty(q, torch.float32))
 
 
 @kda_chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, do, dht):
-    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty(
-        _EMPTY, dtype=torch.float32)
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, do, dht, Aqk, Tm):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else _empty(q, torch.float32)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
             beta.new_empty(beta.shape), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape), dh0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state, \
+        keep_scores = inputs
+    Aqk, Tm = output[2:] if keep_scores else (None, None)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm)
     ctx.gate_lower_bound = gate_lower_bound
     ctx.scale = scale
     ctx.output_final_state = output_final_state
 
 
-def _backward(ctx, do, dht):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+def _backward(ctx, do, dht, _dAqk, _dTm):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if not ctx.output_final_state:
         dht = None
     dq, dk, dv, dg, db, dA, ddt, dh0 = kda_chunk_bwd_op(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ctx.gate_lower_bound, ctx.scale,
-        do.contiguous(), dht.contiguous() if dht is not None else None)
-    return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None), None, None, None, None
+        do.contiguous(), dht.contiguous() if dht is not None else None, Aqk, Tm)
+    return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None), None, None, None, None, None
 
 
 torch.library.register_autograd("kda_moe::kda_chunk_fwd", _backward, setup_context=_setup_context)
@@ -114,9 +129,11 @@ def chunk_kda_triton(
     lb = None if gate_lower_bound is None else float(gate_lower_bound)
     g4 = g.reshape(B, T, H, K)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    o, ht = kda_chunk_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), g4.contiguous(), beta.contiguous(),
-                             A_log.contiguous(), dt_bias.contiguous(), h0, cu_seqlens, lb, scale,
-                             bool(output_final_state))
+    inputs = (q.contiguous(), k.contiguous(), v.contiguous(), g4.contiguous(), beta.contiguous(),
+              A_log.contiguous(), dt_bias.contiguous(), h0)
+    # the backward reuses the forward's chunk matrices (256 bytes per token and head) instead of recomputing them
+    keep_scores = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    o, ht, _, _ = kda_chunk_fwd_op(*inputs, cu_seqlens, lb, scale, bool(output_final_state), keep_scores)
     return o, (ht if output_final_state else None)
 
 

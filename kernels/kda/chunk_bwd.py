@@ -1,7 +1,7 @@
 """Chunked KDA backward: recompute, one reverse scan, two chunk-parallel kernels.
 
-1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers, ``T``, the state ``h`` at
-   every chunk start and ``delta = U - W h``.
+1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers from the forward's ``A_qk`` and ``T``
+   (the gated scores and the inverse are not redone), the state ``h`` at every chunk start and ``delta = U - W h``.
 2. ``_scan_bwd_kernel`` walks the chunks backwards per (sequence, head, V tile) with the fp32 state
    gradient ``dS`` in registers. Per chunk it stores ``dS`` (the gradient at the chunk END) and
    ``ddelta = A_qk^T dO + Kd dS``, then steps ``dS <- gamma * dS + Qg^T dO - W^T ddelta``.
@@ -262,15 +262,17 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
             tl.store(dq + pk, (rq[:, None] * (scale * dqn - nq * rho_q[:, None])).to(dq.dtype.element_ty), mask=mk)
 
 
-def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht):
-    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of ``chunk_kda_fwd``'s (o, ht).
+def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht,
+                  scores=None):
+    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of ``chunk_kda_fwd``'s (o, ht); ``scores``: the
+    forward's ``(A_qk, T)`` (``keep_scores``), or None to recompute them.
 
     dq/dk/dg/dbeta/dv come back in the inputs' dtypes, dA_log/ddt_bias fp32, dh0 fp32 (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     fb = chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, False, cu_seqlens,
-                       for_backward=True)
+                       scores=scores, for_backward=True)
     NS, N, chunk_indices, chunk_offsets = fb["NS"], fb["N"], fb["chunk_indices"], fb["chunk_offsets"]
     MMA = mm_dtype(v)
     IS_VARLEN = cu_seqlens is not None

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_scores, fast_diag,
-                          lower_block_matrix, lower_blocks, seq_coords, tile_references, unit_lower_inverse)
+                          inverse_row_norms, lower_block_matrix, lower_blocks, seq_coords, tile_references,
+                          unit_lower_inverse)
 
 # Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
 # registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
@@ -78,45 +79,54 @@ def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, FAST_DIAG:
 
 
 @triton.jit
+def _unit_lower_inverse64(Lm, INV_PREC: tl.constexpr):
+    """``T = (I + Lm)^-1`` for strictly lower-triangular Lm [64, 64] by 16x16 blocks: ``T_RR = (I + L_RR)^-1``,
+    ``T_RS = -T_RR sum_{S <= P < R} L_RP T_PS``."""
+    l00, l10, l11, l20, l21, l22, l30, l31, l32, l33 = lower_blocks(Lm)
+    t00 = unit_lower_inverse(l00, INV_PREC)
+    t11 = unit_lower_inverse(l11, INV_PREC)
+    t22 = unit_lower_inverse(l22, INV_PREC)
+    t33 = unit_lower_inverse(l33, INV_PREC)
+    t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=INV_PREC), input_precision=INV_PREC)
+    t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=INV_PREC), input_precision=INV_PREC)
+    t20 = -tl.dot(t22, tl.dot(l21, t10, tl.dot(l20, t00, input_precision=INV_PREC), input_precision=INV_PREC),
+                  input_precision=INV_PREC)
+    t32 = -tl.dot(t33, tl.dot(l32, t22, input_precision=INV_PREC), input_precision=INV_PREC)
+    t31 = -tl.dot(t33, tl.dot(l32, t21, tl.dot(l31, t11, input_precision=INV_PREC), input_precision=INV_PREC),
+                  input_precision=INV_PREC)
+    acc = tl.dot(l31, t10, tl.dot(l30, t00, input_precision=INV_PREC), input_precision=INV_PREC)
+    t30 = -tl.dot(t33, tl.dot(l32, t20, acc, input_precision=INV_PREC), input_precision=INV_PREC)
+    return lower_block_matrix(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
+
+
+@triton.jit
 def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, gam, cu_seqlens, chunk_indices,
                   T, scale, lb, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr,
-                  MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr):
+                  MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        kk, qk, sk, sq = _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
         o_c = tl.arange(0, BT)
         m_r = t0 + o_c < L
-        rk = tl.rsqrt(sk + 1e-6)
-        rq = tl.rsqrt(sq + 1e-6) * scale
         b = tl.sigmoid(tl.load(beta + ((bos + t0 + o_c) * H + i_h).to(tl.int64), mask=m_r, other=0.0).to(tl.float32))
-        # A_qk = diag(rq) qk diag(rk), causal
         p64, m64 = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
-        Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * rq[:, None] * rk[None, :], 0.0)
-        tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
-        Lm = tl.where(o_c[None, :] < o_c[:, None], kk * (b * rk)[:, None] * rk[None, :], 0.0)
-        l00, l10, l11, l20, l21, l22, l30, l31, l32, l33 = lower_blocks(Lm)
-
-        # T = (I + L)^-1 by blocks: T_RR = (I + L_RR)^-1, T_RS = -T_RR sum_{S <= P < R} L_RP T_PS
-        t00 = unit_lower_inverse(l00, INV_PREC)
-        t11 = unit_lower_inverse(l11, INV_PREC)
-        t22 = unit_lower_inverse(l22, INV_PREC)
-        t33 = unit_lower_inverse(l33, INV_PREC)
-        t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=INV_PREC), input_precision=INV_PREC)
-        t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=INV_PREC), input_precision=INV_PREC)
-        t20 = -tl.dot(t22, tl.dot(l21, t10, tl.dot(l20, t00, input_precision=INV_PREC), input_precision=INV_PREC),
-                      input_precision=INV_PREC)
-        t32 = -tl.dot(t33, tl.dot(l32, t22, input_precision=INV_PREC), input_precision=INV_PREC)
-        t31 = -tl.dot(t33, tl.dot(l32, t21, tl.dot(l31, t11, input_precision=INV_PREC), input_precision=INV_PREC),
-                      input_precision=INV_PREC)
-        acc = tl.dot(l31, t10, tl.dot(l30, t00, input_precision=INV_PREC), input_precision=INV_PREC)
-        t30 = -tl.dot(t33, tl.dot(l32, t20, acc, input_precision=INV_PREC), input_precision=INV_PREC)
-
-        Tm = lower_block_matrix(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
-        if STORE_T:
-            tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
+        if LOAD_T:  # the backward's recompute: T and A_qk come from the forward, only the row norms are redone
+            rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
+            rq = rq * scale
+            Tm = tl.load(Tb + p64, mask=m64, other=0.0).to(tl.float32)
+        else:
+            kk, qk, sk, sq = _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
+            rk = tl.rsqrt(sk + 1e-6)
+            rq = tl.rsqrt(sq + 1e-6) * scale
+            # A_qk = diag(rq) qk diag(rk), causal
+            Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * rq[:, None] * rk[None, :], 0.0)
+            tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
+            Lm = tl.where(o_c[None, :] < o_c[:, None], kk * (b * rk)[:, None] * rk[None, :], 0.0)
+            Tm = _unit_lower_inverse64(Lm, INV_PREC)
+            if STORE_T:
+                tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
         Aw = (Tm * b[None, :]).to(MMA)  # T diag(beta)
         rk = rk[:, None]
         rq = rq[:, None]
@@ -224,14 +234,16 @@ def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
 
 
 def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, output_final_state,
-                  cu_seqlens, *, for_backward=False):
+                  cu_seqlens, *, keep_scores=False, scores=None, for_backward=False):
     """Launch the forward. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (raw logits).
 
-    Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None). With ``for_backward`` it skips o and
-    returns the buffers the backward needs instead, as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K];
+    Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None, scores). ``keep_scores``: scores are the chunk
+    matrices ``(A_qk, T)`` ([B, T, H, 64], storage dtype) for the backward, else None. With ``for_backward`` it skips
+    o and returns the buffers the backward needs instead, as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K];
     gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start; fp32 with ``state_fp32``) and delta
-    [B, T, H, V] (storage dtype),
-    plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N."""
+    [B, T, H, V] (storage dtype), plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N. Given the
+    forward's ``scores`` it loads them instead of recomputing the gated scores and the inverse (most of the chunk
+    kernel's work)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -248,8 +260,11 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
-    Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
-    Tm = torch.empty_like(Aqk) if for_backward else None
+    if scores is not None:
+        Aqk, Tm = scores
+    else:
+        Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
+        Tm = torch.empty_like(Aqk) if keep_scores or for_backward else None
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
     BOUNDED = gate_lower_bound is not None
     lb = float(gate_lower_bound) if BOUNDED else 0.0
@@ -257,10 +272,10 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=for_backward, num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
         maxnreg=CONFIG["chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
-        return None, None
+        return None, None, None
     o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     state_dtype = torch.float32 if CONFIG["state_fp32"] else sd
@@ -275,4 +290,4 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     if for_backward:
         return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, h=hbuf, delta=dbuf, ht=ht,
                     chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NS=NS, N=N)
-    return o, ht
+    return o, ht, ((Aqk, Tm) if keep_scores else None)
