@@ -131,7 +131,8 @@ def chunk_kda_triton(
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     inputs = (q.contiguous(), k.contiguous(), v.contiguous(), g4.contiguous(), beta.contiguous(),
               A_log.contiguous(), dt_bias.contiguous(), h0)
-    # the backward reuses the forward's chunk matrices (256 bytes per token and head) instead of recomputing them
+    # the backward reuses the forward's chunk matrices (256 bytes per token and head) instead of recomputing them:
+    # forward + backward at 16x4096x16 (bf16, H200) 25.25 -> 23.44 ms, peak memory 9.04 -> 9.29 GiB
     keep_scores = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     o, ht, _, _ = kda_chunk_fwd_op(*inputs, cu_seqlens, lb, scale, bool(output_final_state), keep_scores)
     return o, (ht if output_final_state else None)

@@ -1,15 +1,15 @@
-"""Chunked KDA backward: recompute, one reverse scan, two chunk-parallel kernels.
+"""Chunked KDA backward: recompute, one reverse scan, three chunk-parallel kernels.
 
 1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers from the forward's ``A_qk`` and ``T``
    (the gated scores and the inverse are not redone), the state ``h`` at every chunk start and ``delta = U - W h``.
 2. ``_scan_bwd_kernel`` walks the chunks backwards per (sequence, head, V tile) with the fp32 state
    gradient ``dS`` in registers. Per chunk it stores ``dS`` (the gradient at the chunk END) and
    ``ddelta = A_qk^T dO + Kd dS``, then steps ``dS <- gamma * dS + Qg^T dO - W^T ddelta``.
-3. ``_state_grads_kernel`` (per chunk and head) contracts over V: ``dv = (T diag(beta))^T ddelta``,
-   ``dA_qk = dO delta^T``, the WY gradient ``dL = -T^T dT T^T`` (``L = diag(beta) A_kk``), beta's
-   column-side gradient, and the direct gradients of q, k and G through ``Qg``, ``W`` and ``Kd``
-   (fp32 scratch; the gradient of ``G_end`` is added on the chunk's last row, where the reverse
-   cumsum spreads it to every row).
+3. ``_state_grads_kernel`` (per chunk, head and K slice) contracts the states over V: the direct
+   gradients of q, k and G through ``Qg``, ``W`` and ``Kd`` (fp32 scratch; the gradient of ``G_end``
+   is added on the chunk's last row, where the reverse cumsum spreads it to every row), and ``dW``.
+   ``_wy_grads_kernel`` (per chunk and head): ``dv = (T diag(beta))^T ddelta``, ``dA_qk = dO delta^T``,
+   the WY gradient ``dL = -T^T dT T^T`` (``L = diag(beta) A_kk``) and beta's column-side gradient.
 4. ``_gate_grads_kernel`` (per chunk and head, over K in BK-wide slices) back-propagates ``dL`` and
    ``dA_qk`` through the gated scores with the forward's tile factors (``chunk_tiles.py``), then
    through the decay cumsum, the gate activation, the L2 norms and beta's sigmoid; it writes dq, dk,
@@ -28,11 +28,13 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # kernel's score gradients (gate_fp32=False) took the backward from 20.67 to 18.35 ms, and 4 warps there to 16.58 ms,
 # but the gate gradients lost accuracy: dt_bias 2.5e-2 at 16x512x16, and in the GPU test (2x2048x4) dg 1.7e-2 and,
 # softplus gate, A_log 7.9e-2 (targets 1e-2). So the products stay tf32, at 8 warps (4 spill 0.8-1.9 KB with fp32
-# operands). Pipelined state-kernel loops: 16.43 ms; register caps made both kernels slower. stop_after ends the
-# backward early (stage timing only).
+# operands). The state gradients run as two kernels: one program per K slice for the products with the states
+# (128 registers at 8 warps, no spill: two programs per SM; the single kernel they replace needed 255 and ran one)
+# and one per chunk for the WY part (128): forward + backward at 16x4096x16 went from 23.44 to 22.01 ms (H200,
+# 2026-12-03). stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
-              state_maxnreg=None, gate_warps=8, gate_bk=32, gate_stages=1, gate_maxnreg=None, gate_fp32=True,
-              stop_after=None)
+              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=8, gate_bk=32, gate_stages=1,
+              gate_maxnreg=None, gate_fp32=True, stop_after=None)
 
 
 @triton.jit
@@ -74,11 +76,14 @@ def _scan_bwd_kernel(Wb, Qgb, Kdb, Aqb, gam, do, dht, dh0, dhbuf, ddbuf, cu_seql
 
 
 @triton.jit
-def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, dbuf, ddbuf,
-                        dv, dLb, dAqb, dbeta_col, dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb,
+def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, hbuf, dhbuf, dbuf, ddbuf, dWb, kgb,
+                        dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, MMA: tl.constexpr, DOT_PREC: tl.constexpr):
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
+                        IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, MMA: tl.constexpr):
+    """Per chunk, head and BK-wide slice of K: the direct gradients of q, k and G through ``Qg``, ``W`` and ``Kd``
+    (contracting the states over V); ``dW`` and ``kg`` are stored as the operands of ``dW kg^T``, the rest of the
+    gradient of ``T diag(beta)``, which ``_wy_grads_kernel`` contracts over K."""
+    i_p, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -89,11 +94,63 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
         tok = ((bos + o_t) * H + i_h).to(tl.int64)
         bb = tl.where(m_r, tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32)), 0.0)
         pT, m_t = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
-        Tm = tl.load(Tb + pT, mask=m_t, other=0.0).to(tl.float32)
-        Aw = (Tm * bb[None, :]).to(MMA)
+        Aw = (tl.load(Tb + pT, mask=m_t, other=0.0).to(tl.float32) * bb[None, :]).to(MMA)
         rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
         rq = rq * scale
 
+        o_k = i_k * BK + tl.arange(0, BK)
+        dQg = tl.zeros((BT, BK), dtype=tl.float32)
+        dKd = tl.zeros((BT, BK), dtype=tl.float32)
+        dW = tl.zeros((BT, BK), dtype=tl.float32)
+        dgam = tl.zeros((BK,), dtype=tl.float32)
+        for vb in range(0, V, BV):
+            o_v = vb + tl.arange(0, BV)
+            pv, _ = chunk_offsets64(bos, t0, L, i_h, o_v, H, V)
+            ph = (slot * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
+            bS = tl.load(hbuf + ph)
+            bdS = tl.load(dhbuf + ph)
+            dQg = tl.dot(tl.load(do + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bS.to(MMA)), dQg)
+            dKd = tl.dot(tl.load(dbuf + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bdS.to(MMA)), dKd)
+            dW = tl.dot(tl.load(ddbuf + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bS.to(MMA)), dW)
+            dgam += tl.sum(bS.to(tl.float32) * bdS.to(tl.float32), 1)
+        dW = -dW
+        # decay of this channel slice, computed as the forward computes it
+        pk, _ = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
+        _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, m_t, i_h, o_k, K, BOUNDED)
+        eG = tl.exp(G)
+        eK = tl.exp(Gend[None, :] - G)
+        kn = tl.load(k + pk, mask=m_t, other=0.0).to(tl.float32) * rk[:, None]
+        qn = tl.load(q + pk, mask=m_t, other=0.0).to(tl.float32) * rq[:, None]
+        kg = kn * eG
+        tl.store(dWb + pk, dW.to(dWb.dtype.element_ty), mask=m_t)
+        tl.store(kgb + pk, kg.to(kgb.dtype.element_ty), mask=m_t)
+        dkg = tl.dot(tl.trans(Aw), dW.to(MMA))
+        last = (o_t == tl.minimum(t0 + BT, L) - 1)[:, None]  # the chunk's last row: where dG_end goes
+        dGend = tl.sum(dKd * kn * eK, 0) + dgam * tl.exp(Gend)
+        dG = dQg * qn * eG + dkg * kg - dKd * kn * eK + tl.where(last, dGend[None, :], 0.0)
+        tl.store(dqn_s + pk, dQg * eG, mask=m_t)
+        tl.store(dkn_s + pk, dkg * eG + dKd * eK, mask=m_t)
+        tl.store(dG_s + pk, dG, mask=m_t)
+
+
+@triton.jit
+def _wy_grads_kernel(beta, v, do, Tb, dbuf, ddbuf, dWb, kgb, dv, dLb, dAqb, dbeta_col, cu_seqlens, chunk_indices, T,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, MMA: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Per chunk and head: ``dv = (T diag(beta))^T ddelta`` and ``dA_qk = dO delta^T`` (over V), the gradient of
+    ``T diag(beta)``, ``ddelta v^T + dW kg^T`` (over V, then K), beta's column-side gradient and the WY gradient
+    ``dL = -T^T dT T^T`` (``L = diag(beta) A_kk``)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
+    if ok:
+        o_c = tl.arange(0, BT)
+        o_t = t0 + o_c
+        m_r = o_t < L
+        tok = ((bos + o_t) * H + i_h).to(tl.int64)
+        bb = tl.where(m_r, tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32)), 0.0)
+        pT, m_t = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
+        Tm = tl.load(Tb + pT, mask=m_t, other=0.0).to(tl.float32)
+        Aw = (Tm * bb[None, :]).to(MMA)
         dAw = tl.zeros((BT, BT), dtype=tl.float32)
         dAq = tl.zeros((BT, BT), dtype=tl.float32)
         for vb in range(0, V, BV):
@@ -105,41 +162,10 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, v, do, Tb, hbuf, dhbuf, d
             dAq = tl.dot(bdo, tl.trans(bd), dAq)
             dAw = tl.dot(bdd, tl.trans(bv), dAw)
             tl.store(dv + pv, tl.dot(tl.trans(Aw), bdd).to(dv.dtype.element_ty), mask=m_t)
-
-        last = (o_t == tl.minimum(t0 + BT, L) - 1)[:, None]  # the chunk's last row: where dG_end goes
         for kb in range(0, K, BK):
-            o_k = kb + tl.arange(0, BK)
-            dQg = tl.zeros((BT, BK), dtype=tl.float32)
-            dKd = tl.zeros((BT, BK), dtype=tl.float32)
-            dW = tl.zeros((BT, BK), dtype=tl.float32)
-            dgam = tl.zeros((BK,), dtype=tl.float32)
-            for vb in range(0, V, BV):
-                o_v = vb + tl.arange(0, BV)
-                pv, _ = chunk_offsets64(bos, t0, L, i_h, o_v, H, V)
-                ph = (slot * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
-                bS = tl.load(hbuf + ph)
-                bdS = tl.load(dhbuf + ph)
-                dQg = tl.dot(tl.load(do + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bS.to(MMA)), dQg)
-                dKd = tl.dot(tl.load(dbuf + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bdS.to(MMA)), dKd)
-                dW = tl.dot(tl.load(ddbuf + pv, mask=m_t, other=0.0).to(MMA), tl.trans(bS.to(MMA)), dW)
-                dgam += tl.sum(bS.to(tl.float32) * bdS.to(tl.float32), 1)
-            dW = -dW
-            # decay of this channel slice, computed as the forward computes it
-            pk, _ = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, m_t, i_h, o_k, K, BOUNDED)
-            eG = tl.exp(G)
-            eK = tl.exp(Gend[None, :] - G)
-            kn = tl.load(k + pk, mask=m_t, other=0.0).to(tl.float32) * rk[:, None]
-            qn = tl.load(q + pk, mask=m_t, other=0.0).to(tl.float32) * rq[:, None]
-            kg = kn * eG
-            dAw = tl.dot(dW.to(MMA), tl.trans(kg.to(MMA)), dAw)
-            dkg = tl.dot(tl.trans(Aw), dW.to(MMA))
-            dGend = tl.sum(dKd * kn * eK, 0) + dgam * tl.exp(Gend)
-            dG = dQg * qn * eG + dkg * kg - dKd * kn * eK + tl.where(last, dGend[None, :], 0.0)
-            tl.store(dqn_s + pk, dQg * eG, mask=m_t)
-            tl.store(dkn_s + pk, dkg * eG + dKd * eK, mask=m_t)
-            tl.store(dG_s + pk, dG, mask=m_t)
-
+            pk, _ = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
+            bdW = tl.load(dWb + pk, mask=m_t, other=0.0).to(MMA)
+            dAw = tl.dot(bdW, tl.trans(tl.load(kgb + pk, mask=m_t, other=0.0).to(MMA)), dAw)
         # Aw = T diag(beta): dT = dAw diag(beta), dbeta_j = sum_i dAw_ij T_ij; dL = -T^T dT T^T (strictly causal)
         tl.store(dbeta_col + tok, tl.sum(dAw * Tm, 0), mask=m_r)
         dT = dAw * bb[None, :]
@@ -291,18 +317,25 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         num_warps=CONFIG["scan_warps"], num_stages=stages)
     if CONFIG["stop_after"] == "scan":
         return None
+    BK = min(K, CONFIG["state_bk"])
+    dW = torch.empty(B, T, H, K, device=dev, dtype=fb["W"].dtype)  # the operands of dW kg^T, as the MMA takes them
+    kg = torch.empty_like(dW)
+    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+    dkn_s = torch.empty_like(dqn_s)
+    dG_s = torch.empty_like(dqn_s)
+    _state_grads_kernel[(NS, H, K // BK)](
+        q, k, g, beta, A_log, dt_bias, do, fb["T"], fb["h"], dhbuf, fb["delta"], ddbuf, dW, kg, dqn_s, dkn_s, dG_s,
+        cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK, BV=min(V, CONFIG["state_bv"]),
+        IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],
+        num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
     dv = torch.empty_like(v)
     dL = torch.empty(B, T, H, BT.value, device=dev, dtype=torch.float32)
     dAq = torch.empty_like(dL)
     dbeta_col = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
-    dkn_s = torch.empty_like(dqn_s)
-    dG_s = torch.empty_like(dqn_s)
-    _state_grads_kernel[(NS, H)](
-        q, k, g, beta, A_log, dt_bias, v, do, fb["T"], fb["h"], dhbuf, fb["delta"], ddbuf, dv, dL, dAq, dbeta_col,
-        dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=min(K, CONFIG["state_bk"]),
-        BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, DOT_PREC="tf32",
-        num_warps=CONFIG["state_warps"], num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
+    _wy_grads_kernel[(NS, H)](
+        beta, v, do, fb["T"], fb["delta"], ddbuf, dW, kg, dv, dL, dAq, dbeta_col, cu_seqlens, chunk_indices, T,
+        H=H, K=K, V=V, BK=BK, BV=min(V, CONFIG["wy_bv"]), IS_VARLEN=IS_VARLEN, MMA=MMA, DOT_PREC="tf32",
+        num_warps=CONFIG["wy_warps"], num_stages=CONFIG["wy_stages"])
     if CONFIG["stop_after"] == "state":
         return None
     dq = torch.empty_like(q)
