@@ -111,7 +111,7 @@ def test_bounded_gate_outside_safe_range_uses_the_safe_diagonal_path():
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 def test_decode_step_updates_state_in_place_like_reference(lb):
-    B, H, K, V = 3, 2, 32, 64
+    B, H, K, V = 3, 2, 32, 128  # V = 128: two of the kernel's 64-wide V tiles
     x = kda_inputs(B, 1, H, K, V, torch.float32)
     state = x["h0"].clone()
     ptr = state.data_ptr()

@@ -24,17 +24,21 @@ from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
                           gate, inverse_row_norms, seq_coords, tile_references)
 
-# Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16). bf16 operands in the gate
-# kernel's score gradients (gate_fp32=False) took the backward from 20.67 to 18.35 ms, and 4 warps there to 16.58 ms,
-# but the gate gradients lost accuracy: dt_bias 2.5e-2 at 16x512x16, and in the GPU test (2x2048x4) dg 1.7e-2 and,
-# softplus gate, A_log 7.9e-2 (targets 1e-2). So the products stay tf32, at 8 warps (4 spill 0.8-1.9 KB with fp32
-# operands). The state gradients run as two kernels: one program per K slice for the products with the states
-# (128 registers at 8 warps, no spill: two programs per SM; the single kernel they replace needed 255 and ran one)
-# and one per chunk for the WY part (128): forward + backward at 16x4096x16 went from 23.44 to 22.01 ms (H200,
-# 2026-12-03). stop_after ends the backward early (stage timing only).
+# Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
+# gate_prec: the products of the gate kernel's score gradients. Their row and column sides cancel in the gate
+# gradient, and dt_bias's gradient sums that over every token, so their rounding shows there. Forward + backward and
+# the gradient errors against the fp32 reference (fla 0.6.0 in the same harness: dg 3.9e-3, dt_bias 4.7e-3):
+#   "tf32x3" (three tf32 products, about fp32): 30.89 ms, dg 2.9e-3, dA_log 3.4e-3, ddt_bias 2.5e-3;
+#   "tf32": 21.66 ms, dg 7.0e-3, dA_log 5.2e-3, ddt_bias 2.1e-2 (target 1e-2; rounding the operands to the nearest
+#           tf32 instead of the MMA's truncation did not change it: 2.0e-2);
+#   "bf16" (bf16 operands for bf16 inputs; 2 ms faster than tf32, 4 more at 4 warps): dg 1.7e-2, softplus dA_log 7.9e-2.
+# Accuracy first: tf32x3, at 8 warps (4 spill). The state gradients run as two kernels: one program per K slice for
+# the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
+# replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
+# 22.01 ms. stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=8, gate_bk=32, gate_stages=1,
-              gate_maxnreg=None, gate_fp32=True, stop_after=None)
+              gate_maxnreg=None, gate_prec="tf32x3", stop_after=None)
 
 
 @triton.jit
@@ -178,7 +182,7 @@ def _wy_grads_kernel(beta, v, do, Tb, dbuf, ddbuf, dWb, kgb, dv, dLb, dAqb, dbet
 
 @triton.jit
 def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr,
-                    MMA: tl.constexpr):
+                    MMA: tl.constexpr, PREC: tl.constexpr):
     """Row tile R's share of the score gradients, with the forward's factoring (``chunk_fwd._row_tile_scores``):
     rows of tile R: ``rl_i += sum_j dL_ij k_j e^(r - G_j)``, ``rq_i`` likewise with dA_qk (row factor applied
     later); columns: ``C_j += e^(r - G_j) sum_{i in R} (dL_ij b_i kn_i + dA_ij qn_i) e^(G_i - r)``.
@@ -186,9 +190,10 @@ def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.conste
     cf = column_factor(G, r, R, FAST_DIAG)
     col = (kn * cf).to(MMA)
     own = (tile == R)[:, None]
-    rl = tl.where(own, tl.dot(dl, col), rl)
-    rq = tl.where(own, tl.dot(da, col), rq)
-    C += cf * tl.dot(dlt, tl.where(own, bkf, 0.0).to(MMA), tl.dot(dat, tl.where(own, qf, 0.0).to(MMA)))
+    rl = tl.where(own, tl.dot(dl, col, input_precision=PREC), rl)
+    rq = tl.where(own, tl.dot(da, col, input_precision=PREC), rq)
+    C += cf * tl.dot(dlt, tl.where(own, bkf, 0.0).to(MMA), tl.dot(dat, tl.where(own, qf, 0.0).to(MMA),
+                                                                   input_precision=PREC), input_precision=PREC)
     return rl, rq, C
 
 
@@ -209,7 +214,7 @@ def _gate_back(dga, z, a, lb, BOUNDED: tl.constexpr):
 def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_s, dkn_s, dG_s,
                        dq, dk, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
+                       BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
@@ -245,13 +250,13 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
             rqs = tl.zeros((BT, BK), dtype=tl.float32)
             C = tl.zeros((BT, BK), dtype=tl.float32)
             rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r0, 0, tile,
-                                         FAST_DIAG, MMA)
+                                         FAST_DIAG, MMA, PREC)
             rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r1, 1, tile,
-                                         FAST_DIAG, MMA)
+                                         FAST_DIAG, MMA, PREC)
             rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r2, 2, tile,
-                                         FAST_DIAG, MMA)
+                                         FAST_DIAG, MMA, PREC)
             rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r3, 3, tile,
-                                         FAST_DIAG, MMA)
+                                         FAST_DIAG, MMA, PREC)
             rl = rl * f
             rqs = rqs * f
             if not FAST_DIAG:
@@ -342,12 +347,14 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
+    gate_prec = CONFIG["gate_prec"]
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
     _gate_grads_kernel[(NS, H)](
         q, k, g, beta, A_log, dt_bias, dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta, dA_part, dbias_part,
         cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]), IS_VARLEN=IS_VARLEN,
-        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=tl.float32 if CONFIG["gate_fp32"] else MMA,
+        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA if gate_prec == "bf16" else tl.float32,
+        PREC="tf32" if gate_prec == "bf16" else gate_prec,
         num_warps=CONFIG["gate_warps"], num_stages=CONFIG["gate_stages"], maxnreg=CONFIG["gate_maxnreg"])
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
