@@ -23,6 +23,7 @@ GB/s uses the fewest bytes (inputs read once, outputs written once).
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -206,6 +207,7 @@ def main(out):
         q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
         ins = [q, k, v, g, beta]
         row = dict(B=B, T=T, H=H, K=K)
+        start = time.time()
         for t in ins:
             t.requires_grad_(True)
         do = torch.randn_like(v)
@@ -233,6 +235,7 @@ def main(out):
             except Exception:  # noqa: BLE001
                 row[f"{name}_error"] = traceback.format_exc(limit=3)[-600:]
                 print(name, row[f"{name}_error"], flush=True)
+            print(f"  {B}x{T}x{H} {name}: {time.time() - start:.0f} s since the row began", flush=True)
             torch.cuda.empty_cache()
         # correctness of ours (bf16) vs the fp32 torch reference, bounded gate
         try:
