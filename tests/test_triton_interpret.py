@@ -14,12 +14,15 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it on machines
     pytest.skip("the Triton interpreter is on only without CUDA; tests/test_triton_gpu.py runs there", allow_module_level=True)
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be interpreted")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
 from kda_moe.kernels import backend  # noqa: E402
 from kda_moe.kernels.kda import kda_decode_step, kimi_delta_attention  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
+from kda_moe.kernels.kda.chunk_tiles import tf32_split  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
@@ -211,3 +214,28 @@ def test_custom_ops_pass_opcheck():
     args = (k["q"], k["k"], k["v"], k["g"], k["beta"], k["A_log"], k["dt_bias"], k["h0"], None, -5.0, 0.25, True)
     for keep_scores in (True, False):
         torch.library.opcheck(kda_chunk_fwd_op, args + (keep_scores,), test_utils=("test_schema", "test_faketensor"))
+
+
+@triton.jit
+def _tf32_split_kernel(y, hi, lo):
+    o = tl.arange(0, 1024)
+    h, low = tf32_split(tl.load(y + o))
+    tl.store(hi + o, h)
+    tl.store(lo + o, low)
+
+
+def test_tf32_split_keeps_fp32_precision_through_tf32_products():
+    """The gate-gradient kernel's "tf32x2" products read y as hi + lo: hi must be exactly a tf32 (the MMA keeps it
+    whole) and lo the exact rest, so that even with lo's low 13 bits dropped as the MMA does, hi + lo is y to
+    about 2^-20, where y itself read as tf32 is off by up to 2^-10."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(1024, generator=gen) * torch.exp(torch.randn(1024, generator=gen) * 10)
+    hi, lo = torch.empty_like(y), torch.empty_like(y)
+    _tf32_split_kernel[(1,)](y, hi, lo)
+
+    def as_tf32(x):  # what the MMA reads: the low 13 mantissa bits dropped
+        return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+    assert torch.equal(as_tf32(hi), hi) and torch.equal(hi + lo, y)
+    assert ((as_tf32(y) - y).abs() / y.abs()).max() > 2 ** -11
+    assert (((as_tf32(hi) + as_tf32(lo)).double() - y.double()).abs() / y.abs()).max() < 2 ** -19

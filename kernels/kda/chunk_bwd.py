@@ -22,23 +22,26 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
-                          gate, inverse_row_norms, seq_coords, tile_references)
+                          gate, inverse_row_norms, seq_coords, tf32_split, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
 # gate_prec: the products of the gate kernel's score gradients. Their row and column sides cancel in the gate
 # gradient, and dt_bias's gradient sums that over every token, so their rounding shows there. Forward + backward and
 # the gradient errors against the fp32 reference (fla 0.6.0 in the same harness: dg 3.9e-3, dt_bias 4.7e-3):
-#   "tf32x3" (three tf32 products, about fp32): 30.89 ms, dg 2.9e-3, dA_log 3.4e-3, ddt_bias 2.5e-3;
+#   "tf32x3" (Triton's three tf32 products, about fp32): 30.89 ms, dg 2.9e-3, dA_log 3.4e-3, ddt_bias 2.5e-3;
 #   "tf32": 21.66 ms, dg 7.0e-3, dA_log 5.2e-3, ddt_bias 2.1e-2 (target 1e-2; rounding the operands to the nearest
 #           tf32 instead of the MMA's truncation did not change it: 2.0e-2);
-#   "bf16" (bf16 operands for bf16 inputs; 2 ms faster than tf32, 4 more at 4 warps): dg 1.7e-2, softplus dA_log 7.9e-2.
-# Accuracy first: tf32x3, at 8 warps (4 spill). The state gradients run as two kernels: one program per K slice for
+#   "bf16" (bf16 operands for bf16 inputs; 2 ms faster than tf32, 4 more at 4 warps): dg 1.7e-2, softplus dA_log 7.9e-2;
+#   "tf32x2" (``_score_dot``: two tf32 products, only the decay-scaled k / q operand split): the precision that
+#           matters, with a third fewer MMAs than tf32x3 (416 against 640 wgmma in the compiled kernel). Emulated
+#           on CPU (fp32, 1x1024x2): ddt_bias 8e-5, against 3.7e-3 with plain tf32. Not yet timed on the GPU.
+# Accuracy first: tf32x2, at 8 warps (4 spill). The state gradients run as two kernels: one program per K slice for
 # the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
 # replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
 # 22.01 ms. stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=8, gate_bk=32, gate_stages=1,
-              gate_maxnreg=None, gate_prec="tf32x3", stop_after=None)
+              gate_maxnreg=None, gate_prec="tf32x2", stop_after=None)
 
 
 @triton.jit
@@ -190,11 +193,24 @@ def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.conste
     cf = column_factor(G, r, R, FAST_DIAG)
     col = (kn * cf).to(MMA)
     own = (tile == R)[:, None]
-    rl = tl.where(own, tl.dot(dl, col, input_precision=PREC), rl)
-    rq = tl.where(own, tl.dot(da, col, input_precision=PREC), rq)
-    C += cf * tl.dot(dlt, tl.where(own, bkf, 0.0).to(MMA), tl.dot(dat, tl.where(own, qf, 0.0).to(MMA),
-                                                                   input_precision=PREC), input_precision=PREC)
+    zero = tl.zeros_like(rl)
+    rl = tl.where(own, _score_dot(dl, col, zero, PREC), rl)
+    rq = tl.where(own, _score_dot(da, col, zero, PREC), rq)
+    C += cf * _score_dot(dlt, tl.where(own, bkf, 0.0).to(MMA), _score_dot(dat, tl.where(own, qf, 0.0).to(MMA), zero,
+                                                                          PREC), PREC)
     return rl, rq, C
+
+
+@triton.jit
+def _score_dot(x, y, acc, PREC: tl.constexpr):
+    """acc + x @ y for the score gradients: x is dL or dA_qk, y the decay-scaled k / q side. "tf32x2": y split into
+    two tf32 parts (``tf32_split``), x read as tf32; the gate gradient needs y's precision, not x's (the row and column
+    sides cancel in it: emulated on CPU at 1x1024x2, tf32 y gave a dt_bias error of 3.7e-3, tf32 x alone 8e-5)."""
+    if PREC == "tf32x2":
+        hi, lo = tf32_split(y)
+        return tl.dot(x, lo, tl.dot(x, hi, acc, input_precision="tf32"), input_precision="tf32")
+    else:
+        return tl.dot(x, y, acc, input_precision=PREC)
 
 
 @triton.jit

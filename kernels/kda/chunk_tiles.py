@@ -41,6 +41,14 @@ def gate(graw, bias, a, lb, BOUNDED: tl.constexpr):
 
 
 @triton.jit
+def tf32_split(y):
+    """fp32 y as hi + lo with hi exactly a tf32 (its low 13 mantissa bits cleared): the tf32 products x @ hi + x @ lo
+    keep y's full precision, where Hopper's tf32 MMA reading y itself would drop those bits."""
+    hi = (y.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, y - hi
+
+
+@triton.jit
 def chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K: tl.constexpr, BOUNDED: tl.constexpr):
     """One chunk's decay over channels o_k: gate logits z = g + dt_bias, the inclusive decay cumsum G
     ([64, BK] each) and the chunk's total decay G_end ([BK]); rows past the sequence end decay by 0."""
