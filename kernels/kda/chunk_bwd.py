@@ -33,8 +33,9 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 #           tf32 instead of the MMA's truncation did not change it: 2.0e-2);
 #   "bf16" (bf16 operands for bf16 inputs; 2 ms faster than tf32, 4 more at 4 warps): dg 1.7e-2, softplus dA_log 7.9e-2;
 #   "tf32x2" (``_score_dot``: two tf32 products, only the decay-scaled k / q operand split): the precision that
-#           matters, with a third fewer MMAs than tf32x3 (416 against 640 wgmma in the compiled kernel). Emulated
-#           on CPU (fp32, 1x1024x2): ddt_bias 8e-5, against 3.7e-3 with plain tf32. Not yet timed on the GPU.
+#           matters, with a third fewer MMAs than tf32x3 (416 against 640 wgmma in the compiled kernel).
+#           benchmarks/tf32_emulation.py (fp32 inputs, 1x1024x2, the MMA's tf32 reads emulated on CPU): dg 1.5e-3,
+#           ddt_bias 1.5e-3, against 6.1e-3 and 1.7e-2 with tf32 and 1.1e-3, 1.2e-3 with tf32x3. Not yet timed.
 # Accuracy first: tf32x2, at 8 warps (4 spill). The state gradients run as two kernels: one program per K slice for
 # the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
 # replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
@@ -205,7 +206,8 @@ def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.conste
 def _score_dot(x, y, acc, PREC: tl.constexpr):
     """acc + x @ y for the score gradients: x is dL or dA_qk, y the decay-scaled k / q side. "tf32x2": y split into
     two tf32 parts (``tf32_split``), x read as tf32; the gate gradient needs y's precision, not x's (the row and column
-    sides cancel in it: emulated on CPU at 1x1024x2, tf32 y gave a dt_bias error of 3.7e-3, tf32 x alone 8e-5)."""
+    sides cancel in it: with only y read as tf32, dt_bias's gradient was off by 3.7e-3 in a CPU emulation at
+    1x1024x2, with only x, by 8e-5; see benchmarks/tf32_emulation.py)."""
     if PREC == "tf32x2":
         hi, lo = tf32_split(y)
         return tl.dot(x, lo, tl.dot(x, hi, acc, input_precision="tf32"), input_precision="tf32")
