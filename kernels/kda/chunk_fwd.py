@@ -8,7 +8,8 @@ cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk``
 
 * ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``,
 * ``Qg = q * exp(G)``, ``Kd = k * exp(G_end - G)``, ``A_qk``, and ``gamma = exp(G_end)`` (fp32),
-* for the backward only, ``T`` itself.
+* for the backward, ``T`` itself. The backward's recompute (``LOAD_T``) loads the forward's ``T`` and ``A_qk``
+  instead of redoing the gated scores and the inverse.
 
 ``_scan_kernel`` (one program per sequence, head and V tile) walks the chunks in order with the fp32
 state ``S [K, BV]`` in registers: ``delta = U - W S``, ``o = Qg S + A_qk delta``,
