@@ -239,3 +239,37 @@ def test_tf32_split_keeps_fp32_precision_through_tf32_products():
     assert torch.equal(as_tf32(hi), hi) and torch.equal(hi + lo, y)
     assert ((as_tf32(y) - y).abs() / y.abs()).max() > 2 ** -11
     assert (((as_tf32(hi) + as_tf32(lo)).double() - y.double()).abs() / y.abs()).max() < 2 ** -19
+
+
+def test_calls_without_autograd_skip_the_custom_op_dispatcher(monkeypatch):
+    """Under no_grad (generate()) the Triton wrappers call their kernels' launch code directly, not through the
+    torch.library custom ops (tens of microseconds of dispatch a call, more than a batch-1 decode kernel); the
+    results are those of the dispatched ops, which run when autograd is on."""
+    from kda_moe.kernels.conv import causal_conv
+    from kda_moe.kernels.kda import chunk, recurrent
+    from kda_moe.kernels.norm import gated_rms_norm_kernel
+
+    x = kda_inputs(2, 20, 2, 16, 16, torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    step = [t[:, 0] for t in args[:5]] + args[5:]
+    cx, cw = torch.randn(2, 24), torch.randn(24, 4)
+    nx, ngate, nw = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(16)
+
+    def run():
+        state, conv_state = x["h0"].clone(), torch.zeros(2, 24, 3)
+        return (chunk_kda_triton(*args, gate_lower_bound=-5.0)[0],
+                kda_decode_step(*step, state, gate_lower_bound=-5.0, backend="triton"), state,
+                short_conv_triton(cx[:, None], cw)[0], short_conv_step_triton(cx, cw, conv_state), conv_state,
+                gated_rms_norm_triton(nx, ngate, nw))
+
+    dispatched = run()
+    ops = [(chunk, "kda_chunk_fwd_op"), (recurrent, "kda_decode_step_op"), (causal_conv, "short_conv_fwd_op"),
+           (causal_conv, "short_conv_step_op"), (gated_rms_norm_kernel, "gated_rms_norm_fwd_op")]
+    for module, op in ops:
+        def fail(*a, op=op):
+            raise AssertionError(f"{op} went through the dispatcher without autograd")
+        monkeypatch.setattr(module, op, fail)
+    with torch.no_grad():
+        direct = run()
+    for a, b in zip(direct, dispatched):
+        assert torch.equal(a, b)

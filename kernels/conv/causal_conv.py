@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from ..backend import register_triton_op
+from ..backend import op_for_call, register_triton_op
 
 BT = 64
 BC = 128
@@ -137,8 +137,7 @@ def _final_state(x, h0, cu_seqlens, W):
     return torch.where((p >= bos[:, None])[:, None, :], from_x, from_h).contiguous()
 
 
-@torch.library.custom_op("kda_moe::short_conv_fwd", mutates_args=())
-def short_conv_fwd_op(x: torch.Tensor, weight: torch.Tensor, initial_state: Optional[torch.Tensor],
+def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, initial_state: Optional[torch.Tensor],
                       cu_seqlens: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
     B, T, C = x.shape
     W = weight.shape[1]
@@ -147,6 +146,9 @@ def short_conv_fwd_op(x: torch.Tensor, weight: torch.Tensor, initial_state: Opti
     _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
         x, weight, initial_state, y, bos, seq, T, C=C, W=W, BT=BT, BC=BC, HAS_H0=initial_state is not None, SILU=silu)
     return y
+
+
+short_conv_fwd_op = torch.library.custom_op("kda_moe::short_conv_fwd", _conv_fwd, mutates_args=())
 
 
 @short_conv_fwd_op.register_fake
@@ -229,7 +231,7 @@ def short_conv_triton(x, weight, *, initial_state=None, output_final_state=False
     x = x.contiguous()
     weight = weight.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
-    y = short_conv_fwd_op(x, weight, h0, cu_seqlens, activation == "silu")
+    y = op_for_call(short_conv_fwd_op, _conv_fwd)(x, weight, h0, cu_seqlens, activation == "silu")
     final = None
     if output_final_state:
         if torch.is_grad_enabled() and (x.requires_grad or (h0 is not None and h0.requires_grad)):
@@ -257,13 +259,15 @@ def _conv_step_kernel(x, w, state, y, C: tl.constexpr, W: tl.constexpr, BC: tl.c
     tl.store(y + i_b * C + o_c, _act(acc, SILU).to(y.dtype.element_ty), mask=m_c)
 
 
-@torch.library.custom_op("kda_moe::short_conv_step", mutates_args=("state",))
-def short_conv_step_op(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, silu: bool) -> torch.Tensor:
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, silu: bool) -> torch.Tensor:
     B, C = x.shape
     W = weight.shape[1]
     y = torch.empty_like(x)
     _conv_step_kernel[(triton.cdiv(C, 256), B)](x, weight, state, y, C=C, W=W, BC=256, SILU=silu)
     return y
+
+
+short_conv_step_op = torch.library.custom_op("kda_moe::short_conv_step", _conv_step, mutates_args=("state",))
 
 
 @short_conv_step_op.register_fake
@@ -275,7 +279,7 @@ def short_conv_step_triton(x, weight, state, activation="silu"):
     """Triton ``short_conv_step``: state ``[B, C, W-1]`` (contiguous) is updated in place."""
     if weight.shape[1] < 2:
         raise ValueError("short_conv_step needs a kernel of width >= 2")
-    return short_conv_step_op(x.contiguous(), weight.contiguous(), state, activation == "silu")
+    return op_for_call(short_conv_step_op, _conv_step)(x.contiguous(), weight.contiguous(), state, activation == "silu")
 
 
 register_triton_op("short_conv", short_conv_triton)

@@ -28,7 +28,7 @@ from .chunk_bwd import chunk_kda_bwd
 from .chunk_fwd import chunk_kda_fwd, storage_dtype
 from .chunk_tiles import BT
 from .tile_limits import require_triton_tiles
-from ..backend import register_triton_op
+from ..backend import op_for_call, register_triton_op
 
 _EMPTY = (0,)
 
@@ -37,8 +37,7 @@ def _num_states(q, cu_seqlens):
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-@torch.library.custom_op("kda_moe::kda_chunk_fwd", mutates_args=())
-def kda_chunk_fwd_op(
+def _chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float, output_final_state: bool,
@@ -49,6 +48,9 @@ def kda_chunk_fwd_op(
                                   output_final_state, cu_seqlens, keep_scores=keep_scores)
     Aqk, Tm = scores if keep_scores else (_empty(q), _empty(q))
     return o, (ht if ht is not None else _empty(q, torch.float32)), Aqk, Tm
+
+
+kda_chunk_fwd_op = torch.library.custom_op("kda_moe::kda_chunk_fwd", _chunk_fwd, mutates_args=())
 
 
 def _empty(like, dtype=None):
@@ -134,7 +136,8 @@ def chunk_kda_triton(
     # the backward reuses the forward's chunk matrices (256 bytes per token and head) instead of recomputing them:
     # forward + backward at 16x4096x16 (bf16, H200) 25.25 -> 23.44 ms, peak memory 9.04 -> 9.29 GiB
     keep_scores = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    o, ht, _, _ = kda_chunk_fwd_op(*inputs, cu_seqlens, lb, scale, bool(output_final_state), keep_scores)
+    o, ht, _, _ = op_for_call(kda_chunk_fwd_op, _chunk_fwd)(*inputs, cu_seqlens, lb, scale, bool(output_final_state),
+                                                            keep_scores)
     return o, (ht if output_final_state else None)
 
 

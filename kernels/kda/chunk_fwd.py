@@ -273,8 +273,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
-        maxnreg=CONFIG["chunk_maxnreg"])
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, num_warps=CONFIG["chunk_warps"],
+        num_stages=CONFIG["chunk_stages"], maxnreg=CONFIG["chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None, None
     o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .chunk_tiles import gate as _gate
 from .tile_limits import require_triton_tiles
-from ..backend import register_triton_op
+from ..backend import op_for_call, register_triton_op
 
 # launch knobs (benchmarks/kda.py times the alternatives at batch 256): on an H200 (2026-12-03) 64-wide V tiles at 4
 # warps took 0.137 ms against 0.142 ms for 32-wide ones, 92% of the copy bandwidth
@@ -50,8 +50,7 @@ def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
     tl.store(o + i_bh * V + o_v, tl.sum(S * bq[:, None], 0).to(o.dtype.element_ty))
 
 
-@torch.library.custom_op("kda_moe::kda_decode_step", mutates_args=("state",))
-def kda_decode_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def _decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                        gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
     B, H, K, V = state.shape
@@ -62,6 +61,9 @@ def kda_decode_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         float(gate_lower_bound) if gate_lower_bound is not None else 0.0,
         H=H, K=K, V=V, BV=BV, BOUNDED=gate_lower_bound is not None, num_warps=CONFIG["warps"])
     return o
+
+
+kda_decode_step_op = torch.library.custom_op("kda_moe::kda_decode_step", _decode_step, mutates_args=("state",))
 
 
 @kda_decode_step_op.register_fake
@@ -83,7 +85,7 @@ def kda_decode_step_triton(q, k, v, g, beta, A_log, dt_bias, state, *, gate_lowe
     beta = beta.reshape(B, H).contiguous()
     scale = K ** -0.5 if scale is None else float(scale)
     lb = None if gate_lower_bound is None else float(gate_lower_bound)
-    o = kda_decode_step_op(q, k, v, g, beta, A_log, dt_bias, state, lb, scale)
+    o = op_for_call(kda_decode_step_op, _decode_step)(q, k, v, g, beta, A_log, dt_bias, state, lb, scale)
     return o.unsqueeze(1) if squeeze else o
 
 

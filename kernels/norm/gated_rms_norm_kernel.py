@@ -8,7 +8,7 @@ Both directions are ``torch.library.custom_op``s with fake implementations.
 import torch
 import triton
 import triton.language as tl
-from ..backend import register_triton_op
+from ..backend import op_for_call, register_triton_op
 
 ROWS = 16
 
@@ -51,13 +51,15 @@ def _grn_bwd_kernel(x, gate, w, dy, dx, dgate, dw_part, M, eps, D: tl.constexpr,
     tl.store(dw_part + tl.program_id(0) * D + o_d, dw, mask=m_d)
 
 
-@torch.library.custom_op("kda_moe::gated_rms_norm_fwd", mutates_args=())
-def gated_rms_norm_fwd_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_fwd(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     M = x.numel() // D
     y = torch.empty_like(x)
     _grn_fwd_kernel[(triton.cdiv(M, ROWS),)](x, gate, weight, y, M, eps, D=D, BD=triton.next_power_of_2(D), ROWS=ROWS)
     return y
+
+
+gated_rms_norm_fwd_op = torch.library.custom_op("kda_moe::gated_rms_norm_fwd", _norm_fwd, mutates_args=())
 
 
 @gated_rms_norm_fwd_op.register_fake
@@ -102,7 +104,8 @@ torch.library.register_autograd("kda_moe::gated_rms_norm_fwd", _backward, setup_
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
     """Triton ``gated_rms_norm``: x, gate ``[..., D]``; weight ``[D]``; returns x.dtype."""
-    return gated_rms_norm_fwd_op(x.contiguous(), gate.contiguous(), weight.contiguous(), float(eps))
+    return op_for_call(gated_rms_norm_fwd_op, _norm_fwd)(x.contiguous(), gate.contiguous(), weight.contiguous(),
+                                                        float(eps))
 
 
 register_triton_op("gated_rms_norm", gated_rms_norm_triton)
