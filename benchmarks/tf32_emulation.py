@@ -7,8 +7,10 @@ reference for each precision of the gate-gradient kernel's score products (``chu
 
     python benchmarks/tf32_emulation.py [BxTxH]       (default 1x1024x2, K = V = 128, bounded gate; kda_moe importable)
 
-It is how "tf32x2" was found: the gate gradient needs the precision of the decay-scaled k / q operands, not of dL /
-dA_qk. The other kernels' tf32 products are cut as well, as they would be for fp32 inputs on the GPU.
+It is how the gate-gradient precision problem was found and fixed: the gate gradient cancels the row side of every
+score-gradient pair term against its column side, so the two must be rounded identically (``as_mma_reads`` in
+kernels/kda/chunk_tiles.py). The other kernels' tf32 products are cut as well, as they would be for fp32 inputs on
+the GPU.
 """
 
 import os
@@ -25,7 +27,7 @@ import kda as bench  # noqa: E402
 
 from kda_moe.kernels.kda import chunk_bwd  # noqa: E402
 
-GATE_PRECISIONS = ("tf32", "tf32x2", "tf32x3")
+GATE_PRECISIONS = ("tf32", "tf32x3")
 
 
 def read_as_tf32(x: np.ndarray) -> np.ndarray:

@@ -22,27 +22,23 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
-                          gate, inverse_row_norms, seq_coords, tf32_split, tile_references)
+                          gate, inverse_row_norms, seq_coords, as_mma_reads, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
-# gate_prec: the products of the gate kernel's score gradients. Their row and column sides cancel in the gate
-# gradient, and dt_bias's gradient sums that over every token, so their rounding shows there. Forward + backward and
-# the gradient errors against the fp32 reference (fla 0.6.0 in the same harness: dg 3.9e-3, dt_bias 4.7e-3):
-#   "tf32x3" (Triton's three tf32 products, about fp32): 30.89 ms, dg 2.9e-3, dA_log 3.4e-3, ddt_bias 2.5e-3;
-#   "tf32": 21.66 ms, dg 7.0e-3, dA_log 5.2e-3, ddt_bias 2.1e-2 (target 1e-2; rounding the operands to the nearest
-#           tf32 instead of the MMA's truncation did not change it: 2.0e-2);
-#   "bf16" (bf16 operands for bf16 inputs; 2 ms faster than tf32, 4 more at 4 warps): dg 1.7e-2, softplus dA_log 7.9e-2;
-#   "tf32x2" (``_score_dot``: two tf32 products, only the decay-scaled k / q operand split): the precision that
-#           matters, with a third fewer MMAs than tf32x3 (416 against 640 wgmma in the compiled kernel).
-#           benchmarks/tf32_emulation.py (fp32 inputs, 1x1024x2, the MMA's tf32 reads emulated on CPU): dg 1.5e-3,
-#           ddt_bias 1.5e-3, against 6.1e-3 and 1.7e-2 with tf32 and 1.1e-3, 1.2e-3 with tf32x3. Not yet timed.
+# gate_prec: the operands of the gate kernel's score-gradient products: "tf32" (fp32 read as tf32), "bf16" (bf16
+# operands for bf16 inputs) or "tf32x3" (Triton's three tf32 products, about fp32). The gate gradient cancels the row
+# side of every pair term against its column side and dt_bias's gradient sums that over every token, so until stop 12
+# the sides' different roundings showed there (tf32: dt_bias off by 2.1e-2 at 16x4096x16, bf16 2.5e-2; target 1e-2).
+# Now both sides are formed from the same rounded operands (``_row_tile_grads``) and cancel exactly.
+# benchmarks/tf32_emulation.py (fp32 inputs, 1x1024x2, the MMA's tf32 reads emulated on CPU): tf32 dg 2.1e-3, ddt_bias
+# 2.2e-3 (6.1e-3 and 1.7e-2 before), tf32x3 1.1e-3 and 1.2e-3.
 # Accuracy first: tf32x2, at 8 warps (4 spill). The state gradients run as two kernels: one program per K slice for
 # the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
 # replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
 # 22.01 ms. stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=8, gate_bk=32, gate_stages=1,
-              gate_maxnreg=None, gate_prec="tf32x2", stop_after=None)
+              gate_maxnreg=None, gate_prec="tf32", stop_after=None)
 
 
 @triton.jit
@@ -185,34 +181,27 @@ def _wy_grads_kernel(beta, v, do, Tb, dbuf, ddbuf, dWb, kgb, dv, dLb, dAqb, dbet
 
 
 @triton.jit
-def _row_tile_grads(rl, rq, C, dl, da, dlt, dat, kn, bkf, qf, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr,
+def _row_tile_grads(rl, rq, C, E, dl, da, dlt, dat, kn, pb, pq, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr,
                     MMA: tl.constexpr, PREC: tl.constexpr):
-    """Row tile R's share of the score gradients, with the forward's factoring (``chunk_fwd._row_tile_scores``):
-    rows of tile R: ``rl_i += sum_j dL_ij k_j e^(r - G_j)``, ``rq_i`` likewise with dA_qk (row factor applied
-    later); columns: ``C_j += e^(r - G_j) sum_{i in R} (dL_ij b_i kn_i + dA_ij qn_i) e^(G_i - r)``.
+    """Row tile R's share of the score gradients, with the forward's factoring (``chunk_fwd._row_tile_scores``),
+    before the row factors ``e^(G_i - r)``: rows of tile R: ``rl_i += sum_j dL_ij kc_j``, ``rq_i`` likewise with
+    dA_qk, where ``kc_j = kn_j e^(r - G_j)``; columns: ``s_j = sum_{i in R} dL_ij pb_i + dA_ij pq_i``, added to
+    ``C_j`` times ``e^(r - G_j)`` (for dk) and to ``E_j`` times ``kc_j`` (for dG).
+
+    kc, pb and pq are rounded as the MMA reads them (``as_mma_reads``), so the row side ``pb_i dL_ij kc_j`` of a
+    pair and its column side ``kc_j dL_ij pb_i`` are the same fp32 number: they cancel exactly in the gate gradient,
+    whose chunk sum they leave unchanged, and tf32 / bf16 products cost no more than a perturbation of the inputs.
     dl, da are dL and dA_qk as MMA operands, dlt, dat their transposes."""
     cf = column_factor(G, r, R, FAST_DIAG)
-    col = (kn * cf).to(MMA)
+    kc = as_mma_reads(kn * cf, MMA, PREC)
+    col = kc.to(MMA)
     own = (tile == R)[:, None]
     zero = tl.zeros_like(rl)
-    rl = tl.where(own, _score_dot(dl, col, zero, PREC), rl)
-    rq = tl.where(own, _score_dot(da, col, zero, PREC), rq)
-    C += cf * _score_dot(dlt, tl.where(own, bkf, 0.0).to(MMA), _score_dot(dat, tl.where(own, qf, 0.0).to(MMA), zero,
-                                                                          PREC), PREC)
-    return rl, rq, C
-
-
-@triton.jit
-def _score_dot(x, y, acc, PREC: tl.constexpr):
-    """acc + x @ y for the score gradients: x is dL or dA_qk, y the decay-scaled k / q side. "tf32x2": y split into
-    two tf32 parts (``tf32_split``), x read as tf32; the gate gradient needs y's precision, not x's (the row and column
-    sides cancel in it: with only y read as tf32, dt_bias's gradient was off by 3.7e-3 in a CPU emulation at
-    1x1024x2, with only x, by 8e-5; see benchmarks/tf32_emulation.py)."""
-    if PREC == "tf32x2":
-        hi, lo = tf32_split(y)
-        return tl.dot(x, lo, tl.dot(x, hi, acc, input_precision="tf32"), input_precision="tf32")
-    else:
-        return tl.dot(x, y, acc, input_precision=PREC)
+    rl = tl.where(own, tl.dot(dl, col, zero, input_precision=PREC), rl)
+    rq = tl.where(own, tl.dot(da, col, zero, input_precision=PREC), rq)
+    s = tl.dot(dlt, tl.where(own, pb, 0.0).to(MMA), tl.dot(dat, tl.where(own, pq, 0.0).to(MMA), zero,
+                                                             input_precision=PREC), input_precision=PREC)
+    return rl, rq, C + cf * s, E + kc * s
 
 
 @triton.jit
@@ -262,27 +251,33 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
             qn = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * (rq * scale)[:, None]
             bk = kn * b[:, None]
             r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # the forward's factoring
-            bkf = bk * f
-            qf = qn * f
+            pb = as_mma_reads(bk * f, MMA, PREC)
+            pq = as_mma_reads(qn * f, MMA, PREC)
             rl = tl.zeros((BT, BK), dtype=tl.float32)
             rqs = tl.zeros((BT, BK), dtype=tl.float32)
             C = tl.zeros((BT, BK), dtype=tl.float32)
-            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r0, 0, tile,
-                                         FAST_DIAG, MMA, PREC)
-            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r1, 1, tile,
-                                         FAST_DIAG, MMA, PREC)
-            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r2, 2, tile,
-                                         FAST_DIAG, MMA, PREC)
-            rl, rqs, C = _row_tile_grads(rl, rqs, C, dlm, dam, dlt, dat, kn, bkf, qf, G, r3, 3, tile,
-                                         FAST_DIAG, MMA, PREC)
+            E = tl.zeros((BT, BK), dtype=tl.float32)
+            rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r0, 0, tile,
+                                            FAST_DIAG, MMA, PREC)
+            rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r1, 1, tile,
+                                            FAST_DIAG, MMA, PREC)
+            rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r2, 2, tile,
+                                            FAST_DIAG, MMA, PREC)
+            rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r3, 3, tile,
+                                            FAST_DIAG, MMA, PREC)
+            # the decay gradient from the GEMM tiles, every pair term as the MMA formed it (see _row_tile_grads)
+            dG = pb * rl + pq * rqs - E + tl.load(dG_s + pk, mask=mk, other=0.0)
             rl = rl * f
             rqs = rqs * f
             if not FAST_DIAG:
-                rl, rqs, C = diagonal_grads(rl, rqs, C, dl, da, kn, bk, qn, G)
+                xl, xq, xc = diagonal_grads(dl, da, kn, bk, qn, G)
+                rl += xl
+                rqs += xq
+                C += xc
+                dG += kn * (b[:, None] * xl - xc) + qn * xq
             # totals: the score terms plus the direct terms the state kernel left in scratch
             dkn = b[:, None] * rl + C + tl.load(dkn_s + pk, mask=mk, other=0.0)
             dqn = rqs + tl.load(dqn_s + pk, mask=mk, other=0.0)
-            dG = kn * (b[:, None] * rl - C) + qn * rqs + tl.load(dG_s + pk, mask=mk, other=0.0)
             db += tl.sum(kn * rl, 1)
             rho_k += tl.sum(kn * dkn, 1)
             rho_q += tl.sum(qn * dqn, 1)

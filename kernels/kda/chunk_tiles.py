@@ -41,11 +41,14 @@ def gate(graw, bias, a, lb, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def tf32_split(y):
-    """fp32 y as hi + lo with hi exactly a tf32 (its low 13 mantissa bits cleared): the tf32 products x @ hi + x @ lo
-    keep y's full precision, where Hopper's tf32 MMA reading y itself would drop those bits."""
-    hi = (y.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return hi, y - hi
+def as_mma_reads(y, MMA: tl.constexpr, PREC: tl.constexpr):
+    """fp32 y rounded exactly as a tensor-core product with operand dtype MMA and input precision PREC reads it: to
+    bf16 / fp16, or to tf32 by dropping the low 13 mantissa bits as Hopper's tf32 MMA does ("tf32x3" keeps fp32).
+    A product of two such values is exact in fp32, so a kernel can form the same pair term outside the MMA."""
+    y = y.to(MMA).to(tl.float32)
+    if PREC == "tf32":
+        y = (y.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return y
 
 
 @triton.jit
@@ -129,11 +132,14 @@ def diagonal_scores(kk, qk, kt, qt, G):
 
 
 @triton.jit
-def diagonal_grads(rl, rq, C, dl, da, kn, bk, qn, G):
-    """The backward of ``diagonal_scores``: add the diagonal blocks' row sums ``rl_i += sum_j dL_ij kn_j e^(G_i - G_j)``
-    (``rq`` with dA_qk) and column sums ``C_j += sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile."""
+def diagonal_grads(dl, da, kn, bk, qn, G):
+    """The backward of ``diagonal_scores``: the diagonal blocks' row sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)``
+    (``rq`` with dA_qk) and column sums ``C_j = sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile."""
     o_t = tl.arange(0, 64)
     pos = o_t % 16
+    rl = tl.zeros_like(kn)
+    rq = tl.zeros_like(kn)
+    C = tl.zeros_like(kn)
     for jj in range(16):
         sel = (pos == jj)[:, None]
         e = tl.exp(tl.where((pos >= jj)[:, None], G - _tile_row(G, sel), float("-inf")))
