@@ -76,8 +76,8 @@ def test_tf32_emulation_shows_the_gate_gradients_keep_their_precision_through_tf
     """benchmarks/tf32_emulation.py cuts every tf32 product's operands as the H200's MMA does. The gate gradient
     cancels the row and column sides of every score-gradient pair and dt_bias's sums it over every token, so a
     rounding that differed between the two sides showed there (dt_bias off by more than 1e-2 at this shape before
-    ``as_mma_reads``); with the default tf32 products they stay about as close as with tf32x3. In a subprocess,
-    since the script patches the interpreter's products."""
+    ``as_mma_reads``); with tf32 products (the default for fp32 inputs) they stay about as close as with tf32x3.
+    In a subprocess, since the script patches the interpreter's products."""
     import subprocess
 
     from kda_moe.kernels.kda import chunk_bwd
@@ -90,6 +90,7 @@ def test_tf32_emulation_shows_the_gate_gradients_keep_their_precision_through_tf
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells[0] in ("tf32", "tf32x3"):
             rows[cells[0]] = dict(zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias"), map(float, cells[1:])))
-    assert set(rows) == {"tf32", "tf32x3"} and chunk_bwd.CONFIG["gate_prec"] == "tf32"
+    # the default: bf16 operands for bf16 inputs, tf32 (the first row) for fp32 inputs such as these
+    assert set(rows) == {"tf32", "tf32x3"} and chunk_bwd.CONFIG["gate_prec"] == "bf16"
     for prec in ("tf32", "tf32x3"):
         assert rows[prec]["dt_bias"] < 3e-3 and rows[prec]["g"] < 3e-3, (prec, rows[prec])

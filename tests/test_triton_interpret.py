@@ -32,8 +32,8 @@ from kda_testing import kda_forward_backward, kda_inputs, rel  # noqa: E402
 @pytest.fixture(autouse=True)
 def fp32_gate_products(monkeypatch):
     """The interpreter multiplies fp32 exactly, but the gate-gradient kernel rounds its score operands to tf32 itself
-    (``as_mma_reads``). Its algebra is checked here at fp32 precision ("tf32x3"); the default tf32 rounding by
-    ``test_default_tf32_gate_products`` and benchmarks/tf32_emulation.py."""
+    (``as_mma_reads``). Its algebra is checked here at fp32 precision ("tf32x3"); the tf32 rounding (the default for fp32 inputs) by
+    ``test_tf32_gate_products`` and benchmarks/tf32_emulation.py."""
     from kda_moe.kernels.kda import chunk_bwd
 
     monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32x3")
@@ -104,8 +104,8 @@ def test_chunk_kda_bf16_buffers_with_fp32_products(varlen, state_fp32, monkeypat
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
-def test_default_tf32_gate_products(lb, monkeypatch):
-    """The default gate_prec: the gate kernel's score operands rounded to tf32 (unit roundoff 2^-11 ~ 5e-4, two
+def test_tf32_gate_products(lb, monkeypatch):
+    """The gate kernel's score operands rounded to tf32, as for fp32 inputs (unit roundoff 2^-11 ~ 5e-4, two
     operands a product). The gradients stay within 2e-3 of the fp64 reference; the gate's too, since every pair term
     enters its row and column sides identically rounded (measured here: at most 6e-4, A_log with the bounded gate)."""
     from kda_moe.kernels.kda import chunk_bwd

@@ -25,20 +25,23 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
                           gate, inverse_row_norms, seq_coords, as_mma_reads, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
-# gate_prec: the operands of the gate kernel's score-gradient products: "tf32" (fp32 read as tf32), "bf16" (bf16
-# operands for bf16 inputs) or "tf32x3" (Triton's three tf32 products, about fp32). The gate gradient cancels the row
+# gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
+# tf32 otherwise), "tf32" or "tf32x3" (Triton's three tf32 products, about fp32). The gate gradient cancels the row
 # side of every pair term against its column side and dt_bias's gradient sums that over every token, so until stop 12
-# the sides' different roundings showed there (tf32: dt_bias off by 2.1e-2 at 16x4096x16, bf16 2.5e-2; target 1e-2).
-# Now both sides are formed from the same rounded operands (``_row_tile_grads``) and cancel exactly.
-# benchmarks/tf32_emulation.py (fp32 inputs, 1x1024x2, the MMA's tf32 reads emulated on CPU): tf32 dg 2.1e-3, ddt_bias
-# 2.2e-3 (6.1e-3 and 1.7e-2 before), tf32x3 1.1e-3 and 1.2e-3.
-# Accuracy first: tf32x2, at 8 warps (4 spill). The state gradients run as two kernels: one program per K slice for
-# the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
+# the sides' different roundings showed there (dt_bias off by 2.1e-2 with tf32, 2.5e-2 with bf16; target 1e-2).
+# Now both sides are formed from the same rounded operands (``_row_tile_grads``) and cancel exactly. Forward +
+# backward and the worst gate-side errors against the fp32 reference (fla 0.6.0 in the same harness: 15.32 ms, dg
+# 3.9e-3, dA_log 4.3e-3, ddt_bias 4.7e-3):
+#   "bf16" at 4 warps: 19.17 ms, dg 4.1e-3, dA_log 4.4e-3, ddt_bias 3.8e-3 (20.27 ms at 8 warps);
+#   "tf32" at 8 warps: 22.54 ms, dg 3.1e-3, dA_log 3.5e-3, ddt_bias 2.7e-3 (4 warps spill 1.2-2.6 KB);
+#   "tf32x3": 31.71 ms, dg 2.9e-3, dA_log 3.4e-3, ddt_bias 2.5e-3.
+# gate_warps None: 4 with bf16 operands, 8 with fp32. The state gradients run as two kernels: one program per K slice
+# for the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
 # replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
 # 22.01 ms. stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
-              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=8, gate_bk=32, gate_stages=1,
-              gate_maxnreg=None, gate_prec="tf32", stop_after=None)
+              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=1,
+              gate_maxnreg=None, gate_prec="bf16", stop_after=None)
 
 
 @triton.jit
@@ -361,14 +364,16 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
     gate_prec = CONFIG["gate_prec"]
+    gate_mma = MMA if gate_prec == "bf16" else tl.float32
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
     _gate_grads_kernel[(NS, H)](
         q, k, g, beta, A_log, dt_bias, dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta, dA_part, dbias_part,
         cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]), IS_VARLEN=IS_VARLEN,
-        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA if gate_prec == "bf16" else tl.float32,
+        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=gate_mma,
         PREC="tf32" if gate_prec == "bf16" else gate_prec,
-        num_warps=CONFIG["gate_warps"], num_stages=CONFIG["gate_stages"], maxnreg=CONFIG["gate_maxnreg"])
+        num_warps=CONFIG["gate_warps"] or (8 if gate_mma == tl.float32 else 4), num_stages=CONFIG["gate_stages"],
+        maxnreg=CONFIG["gate_maxnreg"])
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0
