@@ -169,6 +169,58 @@ def test_model_generates_through_the_triton_kernels_like_the_reference(monkeypat
     assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
 
 
+def test_model_kda_layer_compiles_without_graph_breaks_for_training_and_decoding():
+    """torch.compile(fullgraph=True) of the model's KDA layer: a training step (conv, chunked KDA, gated norm and
+    their backward ops) and a cached decode step (conv step and decode kernel, states updated in place) each trace
+    to one graph holding our custom ops, and give the eager results. aot_eager runs the graphs without a C++
+    compiler; the kernels run in the interpreter."""
+    from conftest import tiny_model
+    from kda_moe.compat import linear_attention_states, output_cache
+
+    graphs = []
+
+    def record(gm, example_inputs):  # the ops a graph calls; an in-place op shows as auto_functionalized(op, ...)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        graphs.append({str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls})
+        return gm
+
+    def backend_recording(gm, example_inputs):  # aot_eager, recording the forward and backward graphs it runs
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+    model = tiny_model(kernel_backend="triton", linear_head_dim=16)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 20, model.config.hidden_size)
+
+    def loss_and_grads(fn):
+        xg = x.clone().requires_grad_()
+        loss = fn(xg).square().mean()
+        return [loss] + list(torch.autograd.grad(loss, [xg, attn.A_log, attn.dt_bias, attn.conv1d.weight]))
+
+    compiled = loss_and_grads(torch.compile(attn, backend=backend_recording, fullgraph=True))
+    for a, b in zip(compiled, loss_and_grads(attn)):
+        assert rel(a, b) < 1e-5
+    forward_ops, backward_ops = graphs
+    assert {"kda_moe.short_conv_fwd.default", "kda_moe.kda_chunk_fwd.default",
+            "kda_moe.gated_rms_norm_fwd.default"} <= forward_ops
+    assert {"kda_moe.short_conv_bwd.default", "kda_moe.kda_chunk_bwd.default",
+            "kda_moe.gated_rms_norm_bwd.default"} <= backward_ops
+
+    with torch.no_grad():
+        prompt = torch.randint(1, model.config.vocab_size, (2, 6))
+        caches = [output_cache(model(prompt, use_cache=True)) for _ in range(2)]
+        token = torch.randn(2, 1, model.config.hidden_size)
+        graphs.clear()
+        step = torch.compile(lambda h, cache: attn(h, cache=cache), backend=backend_recording, fullgraph=True)
+        compiled = step(token, caches[0])
+        eager = attn(token, cache=caches[1])
+    assert rel(compiled, eager) < 1e-5
+    assert {"kda_moe.short_conv_step.default", "kda_moe.kda_decode_step.default"} <= graphs[0]
+    for a, b in zip(linear_attention_states(caches[0], 0), linear_attention_states(caches[1], 0)):
+        assert rel(a, b) < 1e-5  # both steps updated their cache's states the same way
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_short_conv_matches_reference_with_states_and_gradients(varlen, activation):
