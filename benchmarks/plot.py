@@ -1,0 +1,91 @@
+"""Plot benchmarks/kda.py results: fla's time over ours per shape (forward, forward + backward) against the targets,
+and the decode step's time per batch size against the copy-bandwidth floor.
+
+    python benchmarks/plot.py OUT.png RESULT.json [RESULT.json ...]
+
+Each RESULT.json is a ``kda_bench.json`` written by benchmarks/kda.py. Later files override earlier ones per shape
+and column, so a run that timed only our kernels can be plotted against the fla columns of an earlier run of the
+same session; the figure's footnote names the file each plotted number came from. The README's figure:
+
+    python benchmarks/plot.py benchmarks/results/h200-2026-12-03/kda_h200.png benchmarks/results/h200-2026-12-03/run_{E_decode,F,H,I}.json
+"""
+
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+TARGETS = {"fwd": 2.0, "fwdbwd": 1.3}  # issue 3: fla safe_gate time over ours
+STATE_BYTES = 2 * 16 * 128 * 128 * 4  # decode: the fp32 state [H=16, K=128, V=128] read and written, per sequence
+
+
+def merge(paths):
+    """(rows, decode, sources): per (B, T, H) the timing columns of the latest file that has them, the decode rows
+    per batch size likewise, and for every plotted value the file it came from."""
+    rows, decode, sources, copy = {}, {}, {}, None
+    for path in paths:
+        res = json.load(open(path))
+        name = os.path.basename(path)
+        for r in res["rows"]:
+            shape = (r["B"], r["T"], r["H"])
+            for key, value in r.items():
+                if key.endswith("_ms"):
+                    rows.setdefault(shape, {})[key] = value
+                    sources[(shape, key)] = name
+        for d in res["decode"]:
+            decode[d["B"]] = d
+            sources[("decode", d["B"])] = name
+            copy = res["copy_GBps"]
+    return rows, decode, sources, copy
+
+
+def plot(out, paths):
+    rows, decode, sources, copy = merge(paths)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    shapes = sorted(rows, key=lambda s: (s[2], s[0] * s[1]))
+    width = 0.38
+    used = set()
+    for i, p in enumerate(("fwd", "fwdbwd")):
+        xs, ratios = [], []
+        for j, s in enumerate(shapes):
+            ours, fla = rows[s].get(f"ours_bounded_{p}_ms"), rows[s].get(f"fla_safe_{p}_ms")
+            if ours and fla:
+                xs.append(j + (i - 0.5) * width)
+                ratios.append(fla / ours)
+                used.update({sources[(s, f"ours_bounded_{p}_ms")], sources[(s, f"fla_safe_{p}_ms")]})
+        bars = ax.bar(xs, ratios, width, label="forward" if p == "fwd" else "forward + backward",
+                      color=("tab:blue", "tab:orange")[i])
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        ax.axhline(TARGETS[p], color=("tab:blue", "tab:orange")[i], ls="--", lw=1,
+                   label=f"target {TARGETS[p]}x ({'forward' if p == 'fwd' else 'fwd+bwd'})")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(shapes)), [f"{b}x{t}x{h}" for b, t, h in shapes])
+    ax.set_xlabel("B x T x H (K = V = 128, bf16, bounded gate)")
+    ax.set_ylabel("fla chunk_kda(safe_gate=True) time / ours")
+    ax.set_title("Chunked KDA vs fla 0.6.0 (above 1: ours faster)")
+    ax.legend(fontsize=8, loc="upper left")
+
+    bs = sorted(decode)
+    for key, label in (("ours_ms", "ours"), ("ours_graph_ms", "ours, CUDA graph"), ("fla_ms", "fla fused_recurrent")):
+        bx.plot(bs, [decode[b].get(key, float("nan")) * 1e3 for b in bs], marker="o", label=label)
+    if copy:
+        bx.plot(bs, [b * STATE_BYTES / copy / 1e3 for b in bs], "k--", lw=1, label="state traffic at copy bandwidth")
+    used.update(sources[("decode", b)] for b in bs)
+    bx.set_xscale("log", base=2)
+    bx.set_yscale("log")
+    bx.set_xlabel("batch (sequences decoded per step)")
+    bx.set_ylabel("one decode step, us (H=16, K=V=128)")
+    bx.set_title("KDA decode step")
+    bx.legend(fontsize=8)
+    fig.text(0.01, 0.01, "data: " + ", ".join(sorted(used)), fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(out, dpi=110)
+    return rows, decode
+
+
+if __name__ == "__main__":
+    plot(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,34 @@
+"""benchmarks/plot.py on the committed H200 results: the README's figure is drawn from them, each number from the
+latest run that measured it."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e .[dev])")
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-2026-12-03"
+
+
+def load_plot():
+    spec = importlib.util.spec_from_file_location("kda_plot", RESULTS.parents[1] / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_merges_runs_latest_first_and_writes_the_figure(tmp_path):
+    plot = load_plot()
+    runs = [RESULTS / f"run_{name}.json" for name in ("E_decode", "F", "H", "I")]
+    out = tmp_path / "kda.png"
+    rows, decode = plot.plot(out, runs)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    # run I timed only ours at 4x16384x16 with today's defaults; fla's columns there come from run F
+    row = rows[(4, 16384, 16)]
+    assert row["ours_bounded_fwdbwd_ms"] == pytest.approx(20.39, abs=0.01)
+    assert row["fla_safe_fwdbwd_ms"] == pytest.approx(16.03, abs=0.01)
+    assert rows[(16, 4096, 16)]["ours_bounded_fwdbwd_ms"] == pytest.approx(19.18, abs=0.01)  # run H over run F
+    assert sorted(decode) == [1, 64, 256]
+    _, _, sources, _ = plot.merge(runs)
+    assert sources[((4, 16384, 16), "ours_bounded_fwd_ms")] == "run_I.json"
+    assert sources[((4, 16384, 16), "fla_safe_fwd_ms")] == "run_F.json"
