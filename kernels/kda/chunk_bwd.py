@@ -13,7 +13,8 @@
 4. ``_gate_grads_kernel`` (per chunk and head, over K in BK-wide slices) back-propagates ``dL`` and
    ``dA_qk`` through the gated scores with the forward's tile factors (``chunk_tiles.py``), then
    through the decay cumsum, the gate activation, the L2 norms and beta's sigmoid; it writes dq, dk,
-   dg, dbeta and per-chunk partial sums of dA_log and ddt_bias.
+   dg, dbeta and per-chunk partial sums of dA_log and ddt_bias. The row and column sides of every score
+   gradient's pair term are formed from the same MMA-rounded operands, so they cancel exactly in dg.
 """
 
 import torch
