@@ -118,6 +118,15 @@ def test_tf32_gate_products(lb, monkeypatch):
         assert rel(grads[n], rgrads[n]) < 2e-3, (n, rel(grads[n], rgrads[n]))
 
 
+def test_unknown_gate_precision_is_refused(monkeypatch):
+    from kda_moe.kernels.kda import chunk_bwd
+
+    monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32x2")  # stop 11's, removed
+    x = kda_inputs(1, 16, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=r'gate_prec.*"bf16", "tf32" or "tf32x3", got .tf32x2.'):
+        kda_forward_backward(x, -5.0, None, True)
+
+
 def test_chunk_kda_fp16_inputs_and_flat_gate_without_state():
     x = kda_inputs(1, 70, 2, 16, 16, torch.float16)
     B, T, H, K = x["q"].shape

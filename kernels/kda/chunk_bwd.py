@@ -365,6 +365,8 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
     gate_prec = CONFIG["gate_prec"]
+    if gate_prec not in ("bf16", "tf32", "tf32x3"):
+        raise ValueError(f'chunk_bwd.CONFIG["gate_prec"] must be "bf16", "tf32" or "tf32x3", got {gate_prec!r}.')
     gate_mma = MMA if gate_prec == "bf16" else tl.float32
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
