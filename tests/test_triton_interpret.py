@@ -32,8 +32,8 @@ from kda_testing import kda_forward_backward, kda_inputs, rel  # noqa: E402
 @pytest.fixture(autouse=True)
 def fp32_gate_products(monkeypatch):
     """The interpreter multiplies fp32 exactly, but the gate-gradient kernel rounds its score operands to tf32 itself
-    (``as_mma_reads``). Its algebra is checked here at fp32 precision ("tf32x3"); the tf32 rounding (the default for fp32 inputs) by
-    ``test_tf32_gate_products`` and benchmarks/tf32_emulation.py."""
+    (``as_mma_reads``). Its algebra is checked here at fp32 precision ("tf32x3"); the tf32 rounding (the default for
+    fp32 inputs) by ``test_tf32_gate_products`` and benchmarks/tf32_emulation.py."""
     from kda_moe.kernels.kda import chunk_bwd
 
     monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32x3")

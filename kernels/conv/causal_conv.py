@@ -138,7 +138,7 @@ def _final_state(x, h0, cu_seqlens, W):
 
 
 def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, initial_state: Optional[torch.Tensor],
-                      cu_seqlens: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
+              cu_seqlens: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
     B, T, C = x.shape
     W = weight.shape[1]
     y = torch.empty_like(x)

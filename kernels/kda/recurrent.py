@@ -51,8 +51,8 @@ def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
 
 
 def _decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                       gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                 gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
     B, H, K, V = state.shape
     o = torch.empty(B, H, V, device=v.device, dtype=v.dtype)
     BV = min(V, CONFIG["bv"])
