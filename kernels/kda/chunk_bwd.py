@@ -1,7 +1,8 @@
 """Chunked KDA backward: recompute, one reverse scan, three chunk-parallel kernels.
 
 1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers from the forward's ``A_qk`` and ``T``
-   (the gated scores and the inverse are not redone), the state ``h`` at every chunk start and ``delta = U - W h``.
+   (the gated scores and the inverse are not redone), the state ``h`` at every chunk start and ``delta = U - W h``,
+   and stores the rows' inverse L2 norms of q and k once for the kernels below.
 2. ``_scan_bwd_kernel`` walks the chunks backwards per (sequence, head, V tile) with the fp32 state
    gradient ``dS`` in registers. Per chunk it stores ``dS`` (the gradient at the chunk END) and
    ``ddelta = A_qk^T dO + Kd dS``, then steps ``dS <- gamma * dS + Qg^T dO - W^T ddelta``.
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
-                          gate, inverse_row_norms, seq_coords, as_mma_reads, tile_references)
+                          gate, load_row_norms, seq_coords, as_mma_reads, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
 # gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
@@ -39,7 +40,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # gate_warps None: 4 with bf16 operands, 8 with fp32. The state gradients run as two kernels: one program per K slice
 # for the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
 # replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
-# 22.01 ms. stop_after ends the backward early (stage timing only).
+# 22.01 ms. The recompute stores the rows' inverse q/k norms once, so the state and gate kernels load them instead of
+# reducing q and k again: 19.20 -> 18.59 ms (stop 13, GPU module 12/12). stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=1,
               gate_maxnreg=None, gate_prec="bf16", stop_after=None)
@@ -84,7 +86,7 @@ def _scan_bwd_kernel(Wb, Qgb, Kdb, Aqb, gam, do, dht, dh0, dhbuf, ddbuf, cu_seql
 
 
 @triton.jit
-def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, hbuf, dhbuf, dbuf, ddbuf, dWb, kgb,
+def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, Nb, hbuf, dhbuf, dbuf, ddbuf, dWb, kgb,
                         dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, MMA: tl.constexpr):
@@ -103,7 +105,7 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, hbuf, dhbuf, dbuf
         bb = tl.where(m_r, tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32)), 0.0)
         pT, m_t = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
         Aw = (tl.load(Tb + pT, mask=m_t, other=0.0).to(tl.float32) * bb[None, :]).to(MMA)
-        rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
+        rk, rq = load_row_norms(Nb, tok, m_r)
         rq = rq * scale
 
         o_k = i_k * BK + tl.arange(0, BK)
@@ -222,7 +224,7 @@ def _gate_back(dga, z, a, lb, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_s, dkn_s, dG_s,
+def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, dqn_s, dkn_s, dG_s,
                        dq, dk, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
                        BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
@@ -235,7 +237,7 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, dLb, dAqb, dbeta_col, dqn_
         tile = o_t // 16
         m_r = t0 + o_t < L
         tok = ((bos + t0 + o_t) * H + i_h).to(tl.int64)
-        rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
+        rk, rq = load_row_norms(Nb, tok, m_r)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         pm, mm = chunk_offsets64(bos, t0, L, i_h, o_t, H, BT)
         dl = tl.load(dLb + pm, mask=mm, other=0.0)
@@ -346,9 +348,9 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dkn_s = torch.empty_like(dqn_s)
     dG_s = torch.empty_like(dqn_s)
     _state_grads_kernel[(NS, H, K // BK)](
-        q, k, g, beta, A_log, dt_bias, do, fb["T"], fb["h"], dhbuf, fb["delta"], ddbuf, dW, kg, dqn_s, dkn_s, dG_s,
-        cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK, BV=min(V, CONFIG["state_bv"]),
-        IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],
+        q, k, g, beta, A_log, dt_bias, do, fb["T"], fb["norms"], fb["h"], dhbuf, fb["delta"], ddbuf, dW, kg,
+        dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK,
+        BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],
         num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
     dv = torch.empty_like(v)
     dL = torch.empty(B, T, H, BT.value, device=dev, dtype=torch.float32)
@@ -371,9 +373,9 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
     _gate_grads_kernel[(NS, H)](
-        q, k, g, beta, A_log, dt_bias, dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta, dA_part, dbias_part,
-        cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]), IS_VARLEN=IS_VARLEN,
-        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=gate_mma,
+        q, k, g, beta, A_log, dt_bias, fb["norms"], dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta,
+        dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]),
+        IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=gate_mma,
         PREC="tf32" if gate_prec == "bf16" else gate_prec,
         num_warps=CONFIG["gate_warps"] or (8 if gate_mma == tl.float32 else 4), num_stages=CONFIG["gate_stages"],
         maxnreg=CONFIG["gate_maxnreg"])

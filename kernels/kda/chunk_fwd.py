@@ -101,26 +101,33 @@ def _unit_lower_inverse64(Lm, INV_PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, gam, cu_seqlens, chunk_indices,
+def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, Nb, gam, cu_seqlens, chunk_indices,
                   T, scale, lb, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr,
-                  MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr):
+                  MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
+                  STORE_NORMS: tl.constexpr):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         o_c = tl.arange(0, BT)
         m_r = t0 + o_c < L
-        b = tl.sigmoid(tl.load(beta + ((bos + t0 + o_c) * H + i_h).to(tl.int64), mask=m_r, other=0.0).to(tl.float32))
+        tok = ((bos + t0 + o_c) * H + i_h).to(tl.int64)
+        b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         p64, m64 = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
         if LOAD_T:  # the backward's recompute: T and A_qk come from the forward, only the row norms are redone
             rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
-            rq = rq * scale
-            Tm = tl.load(Tb + p64, mask=m64, other=0.0).to(tl.float32)
         else:
             kk, qk, sk, sq = _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
             rk = tl.rsqrt(sk + 1e-6)
-            rq = tl.rsqrt(sq + 1e-6) * scale
+            rq = tl.rsqrt(sq + 1e-6)
+        if STORE_NORMS:  # for the backward's other kernels (chunk_tiles.load_row_norms)
+            tl.store(Nb + 2 * tok, rk, mask=m_r)
+            tl.store(Nb + 2 * tok + 1, rq, mask=m_r)
+        rq = rq * scale
+        if LOAD_T:
+            Tm = tl.load(Tb + p64, mask=m64, other=0.0).to(tl.float32)
+        else:
             # A_qk = diag(rq) qk diag(rk), causal
             Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * rq[:, None] * rk[None, :], 0.0)
             tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
@@ -241,6 +248,7 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None, scores). ``keep_scores``: scores are the chunk
     matrices ``(A_qk, T)`` ([B, T, H, 64], storage dtype) for the backward, else None. With ``for_backward`` it skips
     o and returns the buffers the backward needs instead, as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K];
+    norms [B, T, H, 2] fp32 (1 / ||k||, 1 / ||q|| per token);
     gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start; fp32 with ``state_fp32``) and delta
     [B, T, H, V] (storage dtype), plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N. Given the
     forward's ``scores`` it loads them instead of recomputing the gated scores and the inverse (most of the chunk
@@ -267,14 +275,15 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
         Tm = torch.empty_like(Aqk) if keep_scores or for_backward else None
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
+    norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if for_backward else None
     BOUNDED = gate_lower_bound is not None
     lb = float(gate_lower_bound) if BOUNDED else 0.0
     _chunk_kernel[(NS, H)](
-        q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, gam, cu_seqlens, chunk_indices, T, scale, lb,
+        q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, num_warps=CONFIG["chunk_warps"],
-        num_stages=CONFIG["chunk_stages"], maxnreg=CONFIG["chunk_maxnreg"])
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=for_backward,
+        num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"], maxnreg=CONFIG["chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None, None
     o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
@@ -289,6 +298,6 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         STORE_HT=output_final_state, STORE_H=for_backward, STORE_D=for_backward, WRITE_O=not for_backward, MMA=MMA,
         num_warps=CONFIG["scan_warps"], num_stages=stages)
     if for_backward:
-        return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, h=hbuf, delta=dbuf, ht=ht,
+        return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, norms=norms, h=hbuf, delta=dbuf, ht=ht,
                     chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NS=NS, N=N)
     return o, ht, ((Aqk, Tm) if keep_scores else None)

@@ -220,6 +220,13 @@ def inverse_row_norms(q, k, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, B
 
 
 @triton.jit
+def load_row_norms(Nb, tok, m_r):
+    """1 / ||k_i|| and 1 / ||q_i|| of one chunk's rows ([64] each; ``tok``: their token-head indices) as the
+    forward's chunk kernel stored them for the backward, which would otherwise recompute them in every kernel."""
+    return tl.load(Nb + 2 * tok, mask=m_r, other=0.0), tl.load(Nb + 2 * tok + 1, mask=m_r, other=0.0)
+
+
+@triton.jit
 def unit_lower_inverse(N, PREC: tl.constexpr):
     """(I + N)^-1 for strictly lower-triangular N [16, 16] (fp32): (I - N)(I + N^2)(I + N^4)(I + N^8),
     exact because N^16 = 0."""
