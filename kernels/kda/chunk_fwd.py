@@ -4,7 +4,7 @@
 cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk`` (strictly causal) and
 ``A_qk`` (causal) over K in BK-wide slices, one M = 64 GEMM per 16-row tile (the decay factoring is in
 ``chunk_tiles.py``), inverts ``I + diag(beta) A_kk`` by 16x16 blocks, and writes, in the storage dtype
-(bf16 for bf16 inputs, else fp32):
+(bf16 for bf16 inputs, else fp32; the gated rows are stored by the scores pass itself, so q, k and g are read once):
 
 * ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``,
 * ``Qg = q * exp(G)``, ``Kd = k * exp(G_end - G)``, ``A_qk``, and ``gamma = exp(G_end)`` (fp32),
@@ -26,19 +26,39 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 
 # Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
 # registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
-# software-pipelined K loops take it to 3.70 ms. state_fp32: the per-chunk states the backward reads are stored fp32
-# even for bf16 inputs (and so is their gradient): with bf16 states, varlen bf16 dk was off by 2.5e-2 against the
-# fp32 reference (the GPU test's initial states are large); fp32 costs 0.7 ms of 24.3 on forward + backward.
-# stop_after="chunk" ends the forward after the chunk kernel (per-stage timing only).
+# software-pipelined K loops take it to 3.70 ms. Storing Qg, Kd and k e^G from the scores pass, so q, k and g are read
+# once: 3.70 -> 3.68 ms forward, 19.34 -> 18.67 ms forward + backward (same run, GPU module 12/12). state_fp32: the
+# per-chunk states the backward reads are stored fp32 even for bf16 inputs (and so is their gradient): with bf16
+# states, varlen bf16 dk was off by 2.5e-2 against the fp32 reference (the GPU test's initial states are large); fp32
+# costs 0.7 ms of 24.3 on forward + backward. stop_after="chunk" ends the forward after the chunk kernel (per-stage
+# timing only).
 CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None,
               scan_stages=1, inv_prec="ieee", state_fp32=True, stop_after=None)
 
 
 @triton.jit
-def _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-            BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
+def _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, i_h, K: tl.constexpr,
+                 BOUNDED: tl.constexpr):
+    """Load one BK-wide slice of a chunk's q, k and gate logits, store its ``Qg = qn e^G``, ``Kd = kn e^(G_end - G)``
+    and ``gamma = e^(G_end)``, and return the raw k and q, G ([64, BK] fp32 each) and ``kn e^G``, the right
+    operand of ``W = T diag(beta) (kn e^G)``. ``rk``, ``rq``: the rows' inverse norms ([64, 1]; rq times the scale)."""
+    _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+    kt = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
+    qt = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
+    eG = tl.exp(G)
+    kn = kt * rk
+    tl.store(Kdb + pk, (kn * tl.exp(Gend[None, :] - G)).to(Kdb.dtype.element_ty), mask=mk)
+    tl.store(Qgb + pk, (qt * rq * eG).to(Qgb.dtype.element_ty), mask=mk)
+    tl.store(gam + slot * K + o_k, tl.exp(Gend))
+    return kt, qt, G, kn * eG
+
+
+@triton.jit
+def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot, i_h, H: tl.constexpr,
+            K: tl.constexpr, BK: tl.constexpr, BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
     """Un-normalised gated scores of one chunk, ``kk_ij = sum_d k_id k_jd e^(G_id - G_jd)`` and the same for
-    ``qk`` ([64, 64] fp32, meaningful on and below the diagonal), and the squared row norms of k and q ([64]).
+    ``qk`` ([64, 64] fp32, meaningful on and below the diagonal). The same pass stores the slices' gated rows
+    (``_gated_slice``), with ``kn e^G`` parked in ``Wb`` until T is known.
 
     Accumulated over K in BK-wide slices. Per row tile R the decay is split at a reference ``r_R``
     (``chunk_tiles.py``): row operand ``x_i e^(G_i - r_R)`` (rows of tile R only), column operand
@@ -47,16 +67,12 @@ def _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H: tl.constexpr, K: tl.con
     tile = o_t // 16
     kk = tl.zeros((64, 64), dtype=tl.float32)
     qk = tl.zeros((64, 64), dtype=tl.float32)
-    sk = tl.zeros((64,), dtype=tl.float32)
-    sq = tl.zeros((64,), dtype=tl.float32)
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-        _, G, _ = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
-        kt = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
-        qt = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
-        sk += tl.sum(kt * kt, 1)
-        sq += tl.sum(qt * qt, 1)
+        kt, qt, G, kg = _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, i_h, K,
+                                     BOUNDED)
+        tl.store(Wb + pk, kg.to(Wb.dtype.element_ty), mask=mk)
         r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # f: every row's factor against its own tile
         kf = kt * f
         qf = qt * f
@@ -66,7 +82,7 @@ def _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H: tl.constexpr, K: tl.con
         kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, FAST_DIAG, MMA)
         if not FAST_DIAG:
             kk, qk = diagonal_scores(kk, qk, kt, qt, G)
-    return kk, qk, sk, sq
+    return kk, qk
 
 
 @triton.jit
@@ -110,24 +126,22 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        slot = (i_p * H + i_h).to(tl.int64)
         o_c = tl.arange(0, BT)
         m_r = t0 + o_c < L
         tok = ((bos + t0 + o_c) * H + i_h).to(tl.int64)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         p64, m64 = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
-        if LOAD_T:  # the backward's recompute: T and A_qk come from the forward, only the row norms are redone
-            rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
-        else:
-            kk, qk, sk, sq = _scores(q, k, g, dt_bias, a, lb, bos, t0, L, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
-            rk = tl.rsqrt(sk + 1e-6)
-            rq = tl.rsqrt(sq + 1e-6)
+        rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
         if STORE_NORMS:  # for the backward's other kernels (chunk_tiles.load_row_norms)
             tl.store(Nb + 2 * tok, rk, mask=m_r)
             tl.store(Nb + 2 * tok + 1, rq, mask=m_r)
         rq = rq * scale
-        if LOAD_T:
+        if LOAD_T:  # the backward's recompute: T and A_qk come from the forward
             Tm = tl.load(Tb + p64, mask=m64, other=0.0).to(tl.float32)
         else:
+            kk, qk = _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk[:, None], rq[:, None], bos, t0, L, slot,
+                             i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
             # A_qk = diag(rq) qk diag(rk), causal
             Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * rq[:, None] * rk[None, :], 0.0)
             tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
@@ -135,20 +149,17 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
             Tm = _unit_lower_inverse64(Lm, INV_PREC)
             if STORE_T:
                 tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
+            tl.debug_barrier()  # the scores pass's kn e^G in Wb, written by other threads, is read back below
         Aw = (Tm * b[None, :]).to(MMA)  # T diag(beta)
-        rk = rk[:, None]
-        rq = rq[:, None]
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
             pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
-            kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk
-            eG = tl.exp(G)
-            tl.store(Wb + pk, tl.dot(Aw, (kn * eG).to(MMA)).to(Wb.dtype.element_ty), mask=mk)
-            tl.store(Kdb + pk, (kn * tl.exp(Gend[None, :] - G)).to(Kdb.dtype.element_ty), mask=mk)
-            tl.store(Qgb + pk, (tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * rq * eG).to(Qgb.dtype.element_ty),
-                     mask=mk)
-            tl.store(gam + (i_p * H + i_h).to(tl.int64) * K + o_k, tl.exp(Gend))
+            if LOAD_T:
+                _, _, _, kg = _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk[:, None], rq[:, None], pk, mk,
+                                           o_k, slot, i_h, K, BOUNDED)
+            else:
+                kg = tl.load(Wb + pk, mask=mk, other=0.0)
+            tl.store(Wb + pk, tl.dot(Aw, kg.to(MMA)).to(Wb.dtype.element_ty), mask=mk)
         for vb in range(0, V, BV):
             pv, mv = chunk_offsets64(bos, t0, L, i_h, vb + tl.arange(0, BV), H, V)
             u = tl.dot(Aw, tl.load(v + pv, mask=mv, other=0.0).to(MMA))
