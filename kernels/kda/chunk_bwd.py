@@ -7,8 +7,9 @@
    gradient ``dS`` in registers. Per chunk it stores ``dS`` (the gradient at the chunk END) and
    ``ddelta = A_qk^T dO + Kd dS``, then steps ``dS <- gamma * dS + Qg^T dO - W^T ddelta``.
 3. ``_state_grads_kernel`` (per chunk, head and K slice) contracts the states over V: the direct
-   gradients of q, k and G through ``Qg``, ``W`` and ``Kd`` (fp32 scratch; the gradient of ``G_end``
-   is added on the chunk's last row, where the reverse cumsum spreads it to every row), and ``dW``.
+   gradients of q, k and G through ``Qg``, ``W`` and ``Kd`` (scratch: q's and k's in the storage dtype, G's in
+   fp32; the gradient of ``G_end`` is added on the chunk's last row, where the reverse cumsum spreads it to every
+   row), and ``dW``.
    ``_wy_grads_kernel`` (per chunk and head): ``dv = (T diag(beta))^T ddelta``, ``dA_qk = dO delta^T``,
    the WY gradient ``dL = -T^T dT T^T`` (``L = diag(beta) A_kk``) and beta's column-side gradient.
 4. ``_gate_grads_kernel`` (per chunk and head, over K in BK-wide slices) back-propagates ``dL`` and
@@ -41,7 +42,10 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # for the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
 # replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
 # 22.01 ms. The recompute stores the rows' inverse q/k norms once, so the state and gate kernels load them instead of
-# reducing q and k again: 19.20 -> 18.59 ms (stop 13, GPU module 12/12). stop_after ends the backward early (stage timing only).
+# reducing q and k again: 19.20 -> 18.59 ms (stop 13, GPU module 12/12). The wy kernel stores dL and dA_qk in the gate
+# kernel's operand dtype (bf16 ones feed its wgmma from shared memory) and the dq / dk scratch is in the storage
+# dtype: 18.69 -> 18.38 -> 17.55 ms (stop 14, same run), worst bf16 error 4.1e-3 either way (4x4096x16, bounded).
+# stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=1,
               gate_maxnreg=None, gate_prec="bf16", stop_after=None)
@@ -138,8 +142,8 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, Nb, hbuf, dhbuf, 
         last = (o_t == tl.minimum(t0 + BT, L) - 1)[:, None]  # the chunk's last row: where dG_end goes
         dGend = tl.sum(dKd * kn * eK, 0) + dgam * tl.exp(Gend)
         dG = dQg * qn * eG + dkg * kg - dKd * kn * eK + tl.where(last, dGend[None, :], 0.0)
-        tl.store(dqn_s + pk, dQg * eG, mask=m_t)
-        tl.store(dkn_s + pk, dkg * eG + dKd * eK, mask=m_t)
+        tl.store(dqn_s + pk, (dQg * eG).to(dqn_s.dtype.element_ty), mask=m_t)
+        tl.store(dkn_s + pk, (dkg * eG + dKd * eK).to(dkn_s.dtype.element_ty), mask=m_t)
         tl.store(dG_s + pk, dG, mask=m_t)
 
 
@@ -182,8 +186,8 @@ def _wy_grads_kernel(beta, v, do, Tb, dbuf, ddbuf, dWb, kgb, dv, dLb, dAqb, dbet
         dL = -tl.dot(tl.dot(tl.trans(Tm), dT, input_precision=DOT_PREC), tl.trans(Tm), input_precision=DOT_PREC)
         dL = tl.where(o_c[None, :] < o_c[:, None], dL, 0.0)
         dAq = tl.where(o_c[None, :] <= o_c[:, None], dAq, 0.0)
-        tl.store(dLb + pT, dL, mask=m_t)
-        tl.store(dAqb + pT, dAq, mask=m_t)
+        tl.store(dLb + pT, dL.to(dLb.dtype.element_ty), mask=m_t)
+        tl.store(dAqb + pT, dAq.to(dAqb.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
@@ -240,9 +244,9 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
         rk, rq = load_row_norms(Nb, tok, m_r)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         pm, mm = chunk_offsets64(bos, t0, L, i_h, o_t, H, BT)
-        dl = tl.load(dLb + pm, mask=mm, other=0.0)
-        da = tl.load(dAqb + pm, mask=mm, other=0.0)
-        dlm, dam = dl.to(MMA), da.to(MMA)
+        dlm = tl.load(dLb + pm, mask=mm, other=0.0).to(MMA)  # stored as MMA (the wy kernel)
+        dam = tl.load(dAqb + pm, mask=mm, other=0.0).to(MMA)
+        dl, da = dlm.to(tl.float32), dam.to(tl.float32)
         dlt, dat = tl.trans(dlm), tl.trans(dam)
 
         db = tl.zeros((BT,), dtype=tl.float32)
@@ -282,14 +286,14 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
                 C += xc
                 dG += kn * (b[:, None] * xl - xc) + qn * xq
             # totals: the score terms plus the direct terms the state kernel left in scratch
-            dkn = b[:, None] * rl + C + tl.load(dkn_s + pk, mask=mk, other=0.0)
-            dqn = rqs + tl.load(dqn_s + pk, mask=mk, other=0.0)
+            dkn = b[:, None] * rl + C + tl.load(dkn_s + pk, mask=mk, other=0.0).to(tl.float32)
+            dqn = rqs + tl.load(dqn_s + pk, mask=mk, other=0.0).to(tl.float32)
             db += tl.sum(kn * rl, 1)
             rho_k += tl.sum(kn * dkn, 1)
             rho_q += tl.sum(qn * dqn, 1)
             # the totals replace the direct terms in scratch; the norm backward reads them once rho is complete
-            tl.store(dkn_s + pk, dkn, mask=mk)
-            tl.store(dqn_s + pk, dqn, mask=mk)
+            tl.store(dkn_s + pk, dkn.to(dkn_s.dtype.element_ty), mask=mk)
+            tl.store(dqn_s + pk, dqn.to(dqn_s.dtype.element_ty), mask=mk)
             # decay cumsum backward (dG_end already sits on the last row), then the gate's
             dz, dal_t = _gate_back(tl.where(mk, tl.cumsum(dG, 0, reverse=True), 0.0), z, a, lb, BOUNDED)
             dz = tl.where(mk, dz, 0.0)
@@ -305,10 +309,10 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
         for kb in range(0, K, BK):
             pk, mk = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
             nk = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
-            tl.store(dk + pk, (rk[:, None] * (tl.load(dkn_s + pk, mask=mk, other=0.0) - nk * rho_k[:, None])).to(
-                dk.dtype.element_ty), mask=mk)
+            dkn = tl.load(dkn_s + pk, mask=mk, other=0.0).to(tl.float32)
+            tl.store(dk + pk, (rk[:, None] * (dkn - nk * rho_k[:, None])).to(dk.dtype.element_ty), mask=mk)
             nq = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * rq[:, None]
-            dqn = tl.load(dqn_s + pk, mask=mk, other=0.0)
+            dqn = tl.load(dqn_s + pk, mask=mk, other=0.0).to(tl.float32)
             tl.store(dq + pk, (rq[:, None] * (scale * dqn - nq * rho_q[:, None])).to(dq.dtype.element_ty), mask=mk)
 
 
@@ -344,16 +348,23 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     BK = min(K, CONFIG["state_bk"])
     dW = torch.empty(B, T, H, K, device=dev, dtype=fb["W"].dtype)  # the operands of dW kg^T, as the MMA takes them
     kg = torch.empty_like(dW)
-    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+    # the direct dq / dk terms (then the totals) in the storage dtype; the decay's stays fp32: dt_bias's gradient sums
+    # it over every token, and bf16 there took ddt_bias to 1.5e-2 (4x4096x16, against 3.6e-3)
+    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=fb["W"].dtype)
     dkn_s = torch.empty_like(dqn_s)
-    dG_s = torch.empty_like(dqn_s)
+    dG_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     _state_grads_kernel[(NS, H, K // BK)](
         q, k, g, beta, A_log, dt_bias, do, fb["T"], fb["norms"], fb["h"], dhbuf, fb["delta"], ddbuf, dW, kg,
         dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK,
         BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],
         num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
+    gate_prec = CONFIG["gate_prec"]
+    if gate_prec not in ("bf16", "tf32", "tf32x3"):
+        raise ValueError(f'chunk_bwd.CONFIG["gate_prec"] must be "bf16", "tf32" or "tf32x3", got {gate_prec!r}.')
+    gate_mma = MMA if gate_prec == "bf16" else tl.float32
     dv = torch.empty_like(v)
-    dL = torch.empty(B, T, H, BT.value, device=dev, dtype=torch.float32)
+    # dL and dA_qk in the gate kernel's operand dtype: bf16 ones feed its tensor cores straight from shared memory
+    dL = torch.empty(B, T, H, BT.value, device=dev, dtype=torch.bfloat16 if gate_mma == tl.bfloat16 else torch.float32)
     dAq = torch.empty_like(dL)
     dbeta_col = torch.empty(B, T, H, device=dev, dtype=torch.float32)
     _wy_grads_kernel[(NS, H)](
@@ -366,10 +377,6 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
-    gate_prec = CONFIG["gate_prec"]
-    if gate_prec not in ("bf16", "tf32", "tf32x3"):
-        raise ValueError(f'chunk_bwd.CONFIG["gate_prec"] must be "bf16", "tf32" or "tf32x3", got {gate_prec!r}.')
-    gate_mma = MMA if gate_prec == "bf16" else tl.float32
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
     _gate_grads_kernel[(NS, H)](
