@@ -32,3 +32,17 @@ def test_plot_merges_runs_latest_first_and_writes_the_figure(tmp_path):
     _, _, sources, _ = plot.merge(runs)
     assert sources[((4, 16384, 16), "ours_bounded_fwd_ms")] == "run_I.json"
     assert sources[((4, 16384, 16), "fla_safe_fwd_ms")] == "run_F.json"
+
+
+def test_readme_figure_takes_each_shape_from_its_latest_same_run_measurement():
+    """The README's file list: run J (stop 14) re-timed ours and fla at the three 16-head shapes; the 96-head shape
+    keeps run H's."""
+    plot = load_plot()
+    runs = [RESULTS / f"run_{name}.json" for name in ("E_decode", "F", "H", "I", "J")]
+    rows, _, sources, _ = plot.merge(runs)
+    for shape in ((16, 4096, 16), (4, 16384, 16), (1, 65536, 16)):
+        for column in ("ours_bounded_fwdbwd_ms", "fla_safe_fwdbwd_ms"):
+            assert sources[(shape, column)] == "run_J.json"
+    assert sources[((1, 32768, 96), "ours_bounded_fwdbwd_ms")] == "run_H.json"
+    assert rows[(16, 4096, 16)]["ours_bounded_fwdbwd_ms"] == pytest.approx(17.53, abs=0.01)
+    assert rows[(16, 4096, 16)]["fla_safe_fwdbwd_ms"] == pytest.approx(15.53, abs=0.01)
