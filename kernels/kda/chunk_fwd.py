@@ -30,8 +30,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # once: 3.70 -> 3.68 ms forward, 19.34 -> 18.67 ms forward + backward (same run, GPU module 12/12). state_fp32: the
 # per-chunk states the backward reads are stored fp32 even for bf16 inputs: with bf16 states (and state gradients),
 # varlen bf16 dk was off by 2.5e-2 against the fp32 reference (the GPU test's initial states are large); fp32 costs
-# 0.7 ms of 24.3 on forward + backward. Their gradients (chunk_bwd) are in the storage dtype. stop_after="chunk" ends the forward after the chunk kernel (per-stage
-# timing only).
+# 0.7 ms of 24.3 on forward + backward. Their gradients (chunk_bwd) are in the storage dtype. stop_after="chunk" ends
+# the forward after the chunk kernel (per-stage timing only).
 CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None,
               scan_stages=1, inv_prec="ieee", state_fp32=True, stop_after=None)
 
