@@ -46,9 +46,12 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # kernel's operand dtype (bf16 ones feed its wgmma from shared memory) and the dq / dk scratch is in the storage
 # dtype: 18.69 -> 18.38 -> 17.55 ms (stop 14, same run), worst bf16 error 4.1e-3 either way (4x4096x16, bounded).
 # The per-chunk state gradients in the storage dtype too (the states stay fp32, chunk_fwd.CONFIG): 17.45 -> 17.31 ms,
-# peak memory 9.05 -> 8.55 GiB, errors unchanged, GPU module 12/12.
+# peak memory 9.05 -> 8.55 GiB, errors unchanged, GPU module 12/12. Stop 15 (same run): MMA-dtype pair-term operands
+# skip the tf32 bit mask (a no-op on bf16 values; 5744 -> 5496 instructions, spills 672 -> 592 B): 17.28 -> 17.00 ms;
+# the state kernel's K slices launched next to each other (they read the same dO / delta / ddelta tiles, now from L2):
+# state kernel 3.94 -> 3.40 ms; state_bv 32 -> 128 (one V pass, 128 registers, no spill): 16.46 -> 16.05 ms.
 # stop_after ends the backward early (stage timing only).
-CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=32, state_stages=2,
+CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=1,
               gate_maxnreg=None, gate_prec="bf16", stop_after=None)
 
@@ -99,7 +102,8 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, Nb, hbuf, dhbuf, 
     """Per chunk, head and BK-wide slice of K: the direct gradients of q, k and G through ``Qg``, ``W`` and ``Kd``
     (contracting the states over V); ``dW`` and ``kg`` are stored as the operands of ``dW kg^T``, the rest of the
     gradient of ``T diag(beta)``, which ``_wy_grads_kernel`` contracts over K."""
-    i_p, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the K slices of a chunk are neighbours in the launch order, so they share its dO / delta / ddelta tiles in L2
+    i_k, i_p, i_h = tl.program_id(0) % (K // BK), tl.program_id(0) // (K // BK), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -355,7 +359,7 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dqn_s = torch.empty(B, T, H, K, device=dev, dtype=fb["W"].dtype)
     dkn_s = torch.empty_like(dqn_s)
     dG_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
-    _state_grads_kernel[(NS, H, K // BK)](
+    _state_grads_kernel[(NS * (K // BK), H)](
         q, k, g, beta, A_log, dt_bias, do, fb["T"], fb["norms"], fb["h"], dhbuf, fb["delta"], ddbuf, dW, kg,
         dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK,
         BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],

@@ -46,7 +46,7 @@ def as_mma_reads(y, MMA: tl.constexpr, PREC: tl.constexpr):
     bf16 / fp16, or to tf32 by dropping the low 13 mantissa bits as Hopper's tf32 MMA does ("tf32x3" keeps fp32).
     A product of two such values is exact in fp32, so a kernel can form the same pair term outside the MMA."""
     y = y.to(MMA).to(tl.float32)
-    if PREC == "tf32":
+    if PREC == "tf32" and MMA == tl.float32:  # bf16 / fp16 values are exact in tf32 already
         y = (y.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return y
 
