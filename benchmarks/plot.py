@@ -7,7 +7,8 @@ Each RESULT.json is a ``kda_bench.json`` written by benchmarks/kda.py. Later fil
 and column, so a run that timed only our kernels can be plotted against the fla columns of an earlier run of the
 same session; the figure's footnote names the file each plotted number came from. The README's figure:
 
-    python benchmarks/plot.py benchmarks/results/h200-2026-12-03/kda_h200.png benchmarks/results/h200-2026-12-03/run_{E_decode,F,H,I}.json
+    python benchmarks/plot.py benchmarks/results/h200-2026-12-04/kda_h200.png \
+        benchmarks/results/h200-2026-12-03/run_E_decode.json benchmarks/results/h200-2026-12-04/run_{K,K96}.json
 """
 
 import json

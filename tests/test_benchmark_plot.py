@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e .[dev])")
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-2026-12-03"
+LATEST = RESULTS.parent / "h200-2026-12-04"
 
 
 def load_plot():
@@ -34,15 +35,16 @@ def test_plot_merges_runs_latest_first_and_writes_the_figure(tmp_path):
     assert sources[((4, 16384, 16), "fla_safe_fwd_ms")] == "run_F.json"
 
 
-def test_readme_figure_takes_each_shape_from_its_latest_same_run_measurement():
-    """The README's file list: run J (stop 14) re-timed ours and fla at the three 16-head shapes; the 96-head shape
-    keeps run H's."""
+def test_readme_figure_takes_every_shape_from_one_same_run_measurement():
+    """The README's file list: run K (stop 15) timed ours and fla at the three 16-head shapes, run K96 at the 96-head
+    one; the decode panel keeps run E's."""
     plot = load_plot()
-    runs = [RESULTS / f"run_{name}.json" for name in ("E_decode", "F", "H", "I", "J")]
-    rows, _, sources, _ = plot.merge(runs)
-    for shape in ((16, 4096, 16), (4, 16384, 16), (1, 65536, 16)):
-        for column in ("ours_bounded_fwdbwd_ms", "fla_safe_fwdbwd_ms"):
-            assert sources[(shape, column)] == "run_J.json"
-    assert sources[((1, 32768, 96), "ours_bounded_fwdbwd_ms")] == "run_H.json"
-    assert rows[(16, 4096, 16)]["ours_bounded_fwdbwd_ms"] == pytest.approx(17.53, abs=0.01)
-    assert rows[(16, 4096, 16)]["fla_safe_fwdbwd_ms"] == pytest.approx(15.53, abs=0.01)
+    runs = [RESULTS / "run_E_decode.json"] + [LATEST / f"run_{name}.json" for name in ("K", "K96")]
+    rows, decode, sources, _ = plot.merge(runs)
+    for shape, run in (((16, 4096, 16), "run_K.json"), ((4, 16384, 16), "run_K.json"), ((1, 65536, 16), "run_K.json"),
+                       ((1, 32768, 96), "run_K96.json")):
+        for column in ("ours_bounded_fwd_ms", "fla_safe_fwd_ms", "ours_bounded_fwdbwd_ms", "fla_safe_fwdbwd_ms"):
+            assert sources[(shape, column)] == run
+    assert sorted(decode) == [1, 64, 256] and sources[("decode", 256)] == "run_E_decode.json"
+    assert rows[(16, 4096, 16)]["ours_bounded_fwdbwd_ms"] == pytest.approx(15.81, abs=0.01)
+    assert rows[(16, 4096, 16)]["fla_safe_fwdbwd_ms"] == pytest.approx(15.41, abs=0.01)
