@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
-                          gate, load_row_norms, seq_coords, as_mma_reads, tile_references)
+                          gate, load_row_norms, scan_start, as_mma_reads, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
 # gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
@@ -60,17 +60,9 @@ CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk
 def _scan_bwd_kernel(Wb, Qgb, Kdb, Aqb, gam, do, dht, dh0, dhbuf, ddbuf, cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                      IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, MMA: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, L, c_off = seq_coords(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_h, bos, L, c_off, o_k, o_v, ps, dS = scan_start(dht, cu_seqlens, chunk_offsets, T, H, K, V, BV, IS_VARLEN,
+                                                       HAS_DHT)
     o_c = tl.arange(0, BT)
-    ps = (i_nh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
-    if HAS_DHT:
-        dS = tl.load(dht + ps).to(tl.float32)
-    else:
-        dS = tl.zeros((K, BV), dtype=tl.float32)
     NC = tl.cdiv(L, BT)
     for j in range(NC):
         i_c = NC - 1 - j

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_scores, fast_diag,
-                          inverse_row_norms, lower_block_matrix, lower_blocks, seq_coords, tile_references,
+                          inverse_row_norms, lower_block_matrix, lower_blocks, scan_start, tile_references,
                           unit_lower_inverse)
 
 # Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
@@ -171,17 +171,8 @@ def _scan_kernel(Wb, Ub, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu_seqlens, 
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                  STORE_H: tl.constexpr, STORE_D: tl.constexpr, WRITE_O: tl.constexpr, MMA: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, L, c_off = seq_coords(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_h, bos, L, c_off, o_k, o_v, ps, S = scan_start(h0, cu_seqlens, chunk_offsets, T, H, K, V, BV, IS_VARLEN, HAS_H0)
     o_c = tl.arange(0, BT)
-    ps = (i_nh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + ps).to(tl.float32)
-    else:
-        S = tl.zeros((K, BV), dtype=tl.float32)
     for i_c in range(tl.cdiv(L, BT)):
         slot = (c_off + i_c).to(tl.int64)
         if STORE_H:

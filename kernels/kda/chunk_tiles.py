@@ -271,3 +271,21 @@ def seq_coords(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN: tl.constexpr):
         L = T
         c_off = i_n * tl.cdiv(T, 64)
     return bos, L, c_off
+
+
+@triton.jit
+def scan_start(h0, cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr):
+    """Where a scan program (one per V tile, sequence and head) starts: its head, its sequence's (bos, length, first
+    chunk slot), its K and V offsets, the offsets of its [K, BV] state tile in [N, H, K, V] tensors, and that tile
+    of h0 (fp32; zeros without one)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    bos, L, c_off = seq_coords(cu_seqlens, chunk_offsets, i_nh // H, T, IS_VARLEN)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    ps = (i_nh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + ps).to(tl.float32)
+    else:
+        S = tl.zeros((K, BV), dtype=tl.float32)
+    return i_nh % H, bos, L, c_off, o_k, o_v, ps, S
