@@ -358,3 +358,22 @@ def test_calls_without_autograd_skip_the_custom_op_dispatcher(monkeypatch):
         direct = run()
     for a, b in zip(direct, dispatched):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stores_states", [True, False])
+def test_scan_tiles_keep_the_narrow_bf16_scans_pipelined(stores_states):
+    """``scan_launch`` picks each scan's V tile from the number of (sequence, head) pairs. Whatever it picks, a bf16
+    scan narrower than 64 must be pipelined (unpipelined, Triton 3.6 miscompiles it on the H200), fp32 scans stay at
+    most 32 wide in one stage (two overflow shared memory), tiles never shrink as pairs grow, and the output scan
+    (no states stored) is never narrower than the scans that store states."""
+    from kda_moe.kernels.kda.chunk_fwd import scan_launch
+
+    widths = []
+    for NH in (1, 8, 16, 32, 63, 64, 96, 255, 256, 1024):
+        BV, stages = scan_launch(128, NH, torch.bfloat16, None, 1, stores_states=stores_states)
+        assert BV in (16, 32, 64) and (stages >= 2 if BV < 64 else stages == 1)
+        assert BV >= scan_launch(128, NH, torch.bfloat16, None, 1)[0]
+        assert scan_launch(128, NH, torch.float32, None, 2, stores_states=stores_states) == (min(BV, 32), 1)
+        widths.append(BV)
+    assert widths == sorted(widths)
+    assert scan_launch(32, 1024, torch.bfloat16, None, 1, stores_states=stores_states) == (32, 2)  # capped at V
