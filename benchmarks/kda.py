@@ -136,9 +136,9 @@ def kernel_stats():
 KNOBS = [("fwd", "chunk_stages", (1, 2)), ("bwd", "gate_stages", (1, 2)), ("bwd", "state_stages", (1, 2)),
          ("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
          ("fwd", "scan_bv", (32, 64)), ("fwd", "scan_stages", (1, 2)), ("bwd", "scan_bv", (32, 64)),
-         ("bwd", "state_warps", (4, 8)), ("bwd", "gate_bk", (16, 32)), ("fwd", "chunk_maxnreg", (None, 168, 128)),
-         ("bwd", "gate_warps", (4, 8)), ("bwd", "state_maxnreg", (None, 128)), ("bwd", "wy_warps", (4, 8)),
-         ("bwd", "gate_maxnreg", (None, 168))]
+         ("bwd", "state_warps", (4, 8)), ("bwd", "state_bv", (32, 64, 128)), ("bwd", "gate_bk", (16, 32)),
+         ("fwd", "chunk_maxnreg", (None, 168, 128)), ("bwd", "gate_warps", (4, 8)),
+         ("bwd", "state_maxnreg", (None, 128)), ("bwd", "wy_warps", (4, 8)), ("bwd", "gate_maxnreg", (None, 168))]
 # decode launch knobs, tried at batch 256
 DECODE_KNOBS = [dict(bv=32, warps=4), dict(bv=16, warps=2), dict(bv=64, warps=4), dict(bv=64, warps=8),
                 dict(bv=128, warps=8)]
