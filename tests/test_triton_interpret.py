@@ -377,3 +377,34 @@ def test_scan_tiles_keep_the_narrow_bf16_scans_pipelined(stores_states):
         widths.append(BV)
     assert widths == sorted(widths)
     assert scan_launch(32, 1024, torch.bfloat16, None, 1, stores_states=stores_states) == (32, 2)  # capped at V
+
+
+def test_backward_drops_each_buffer_after_its_last_kernel(monkeypatch):
+    """The backward's scratch buffers are released as soon as their last kernel is launched, so the caching allocator
+    reuses them for the next ones: at most 12 [B, T, H, K]-sized fp32 buffers' worth are alive at once (K = V = 128;
+    20.1 when every buffer lived to the end of the backward, 11.5 now)."""
+    import weakref
+
+    from kda_moe.kernels.kda import chunk_bwd
+
+    live, peak = [0], [0]
+
+    def counted(alloc):
+        def wrapped(*args, **kwargs):
+            t = alloc(*args, **kwargs)
+            n = t.untyped_storage().nbytes()
+            live[0] += n
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(t, lambda: live.__setitem__(0, live[0] - n))
+            return t
+        return wrapped
+
+    B, T, H, K = 1, 256, 1, 128
+    x = kda_inputs(B, T, H, K, K, dtype=torch.float32)
+    for name in ("empty", "empty_like", "zeros"):
+        monkeypatch.setattr(torch, name, counted(getattr(torch, name)))
+    grads = chunk_bwd.chunk_kda_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], -5.0,
+                                    K ** -0.5, None, None, torch.ones_like(x["v"]), None, None)
+    unit = B * T * H * K * 4
+    assert all(torch.isfinite(d).all() for d in grads if d is not None)
+    assert peak[0] <= 12 * unit, peak[0] / unit

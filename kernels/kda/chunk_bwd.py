@@ -333,7 +333,9 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     if CONFIG["stop_after"] == "recompute":
         return None
     do = do.contiguous()
-    dhbuf = torch.empty_like(fb["h"], dtype=fb["W"].dtype)  # per-chunk state gradients, in the storage dtype
+    sd = fb["W"].dtype  # the storage dtype
+    # every buffer is dropped after its last kernel, so that the caching allocator hands its memory to the next ones
+    dhbuf = torch.empty_like(fb["h"], dtype=sd)  # per-chunk state gradients, in the storage dtype
     ddbuf = torch.empty_like(fb["delta"])
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if initial_state is not None else None
     BVs, stages = scan_launch(V, N * H, fb["delta"].dtype, CONFIG["scan_bv"], CONFIG["scan_stages"])
@@ -341,14 +343,15 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         fb["W"], fb["Qg"], fb["Kd"], fb["Aqk"], fb["gam"], do, dht, dh0, dhbuf, ddbuf, cu_seqlens, chunk_offsets, T,
         H=H, K=K, V=V, BV=BVs, IS_VARLEN=IS_VARLEN, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, MMA=MMA,
         num_warps=CONFIG["scan_warps"], num_stages=stages)
+    del fb["W"], fb["Qg"], fb["Kd"], fb["Aqk"], fb["gam"]
     if CONFIG["stop_after"] == "scan":
         return None
     BK = min(K, CONFIG["state_bk"])
-    dW = torch.empty(B, T, H, K, device=dev, dtype=fb["W"].dtype)  # the operands of dW kg^T, as the MMA takes them
+    dW = torch.empty(B, T, H, K, device=dev, dtype=sd)  # the operands of dW kg^T, as the MMA takes them
     kg = torch.empty_like(dW)
     # the direct dq / dk terms (then the totals) in the storage dtype; the decay's stays fp32: dt_bias's gradient sums
     # it over every token, and bf16 there took ddt_bias to 1.5e-2 (4x4096x16, against 3.6e-3)
-    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=fb["W"].dtype)
+    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=sd)
     dkn_s = torch.empty_like(dqn_s)
     dG_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     _state_grads_kernel[(NS * (K // BK), H)](
@@ -356,6 +359,7 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK,
         BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],
         num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
+    del fb["h"], dhbuf
     gate_prec = CONFIG["gate_prec"]
     if gate_prec not in ("bf16", "tf32", "tf32x3"):
         raise ValueError(f'chunk_bwd.CONFIG["gate_prec"] must be "bf16", "tf32" or "tf32x3", got {gate_prec!r}.')
@@ -369,6 +373,7 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         beta, v, do, fb["T"], fb["delta"], ddbuf, dW, kg, dv, dL, dAq, dbeta_col, cu_seqlens, chunk_indices, T,
         H=H, K=K, V=V, BK=BK, BV=min(V, CONFIG["wy_bv"]), IS_VARLEN=IS_VARLEN, MMA=MMA, DOT_PREC="tf32",
         num_warps=CONFIG["wy_warps"], num_stages=CONFIG["wy_stages"])
+    del fb["T"], fb["delta"], ddbuf, dW, kg
     if CONFIG["stop_after"] == "state":
         return None
     dq = torch.empty_like(q)
