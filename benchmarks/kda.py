@@ -18,6 +18,7 @@ side (fla: ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmo
 TFLOP/s uses the nominal chunked-algorithm count (per token and head: 4*64*K for A_kk/A_qk,
 2*64*(K+V) for W/U, 2*64*(K+V) for A_qk W / A_qk U, 6*K*V for the state pass; backward = 2x);
 GB/s uses the fewest bytes (inputs read once, outputs written once).
+Peak GiB: the most CUDA memory allocated during one forward + backward, the inputs included.
 """
 
 import json
@@ -41,6 +42,15 @@ LB = -5.0
 
 def bench(fn, grad_to_none=None, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median", grad_to_none=grad_to_none)
+
+
+def peak_gib(fn):
+    """Peak allocated CUDA memory (GiB) during one call of fn, what was allocated before it included."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 30
 
 
 def ceilings():
@@ -232,6 +242,9 @@ def main(out):
                     def fb(fn=fn, do=do):
                         fn().backward(do)
                     row[f"{name}_fwdbwd_ms"] = bench(fb, grad_to_none=ins, rep=60 if name == "torch_ref" else 150)
+                    for t in ins:
+                        t.grad = None
+                    row[f"{name}_fwdbwd_peak_GiB"] = peak_gib(fb)
             except Exception:  # noqa: BLE001
                 row[f"{name}_error"] = traceback.format_exc(limit=3)[-600:]
                 print(name, row[f"{name}_error"], flush=True)
@@ -316,8 +329,9 @@ def write_tables(res, out):
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, triton {res['triton']}. Ceilings in this run: bf16 matmul "
           f"{res['matmul_tflops']:.0f} TFLOP/s, copy {res['copy_GBps']:.0f} GB/s.", "",
           "| B x T x H | pass | ours bounded | ours softplus | fla safe_gate | fla no safe | torch ref | "
-          "ours/fla-safe | ours TFLOP/s | ours GB/s | rel err: o (bnd / sp), worst grad (bnd): ours; fla |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "ours/fla-safe | ours TFLOP/s | ours GB/s | rel err: o (bnd / sp), worst grad (bnd): ours; fla | "
+          "peak GiB: ours / fla safe |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: f"{x:.2f} ms" if isinstance(x, float) else "-"  # noqa: E731
     for r in rows:
         for p in ("fwd", "fwdbwd"):
@@ -333,9 +347,11 @@ def write_tables(res, out):
                        else f"not compared; finite: {r.get('finite', '-')}")
             else:
                 err = f"{worst(ge)}; fla {worst(gf)}" if ge else ""
+            pk = [r.get(f"{n}_{p}_peak_GiB") for n in ("ours_bounded", "fla_safe")]
+            peak = " / ".join(f"{x:.2f}" if x is not None else "-" for x in pk) if any(pk) else "-"
             md.append(f"| {r['B']}x{r['T']}x{r['H']} | {p} | {fmt(ours)} | {fmt(r.get(f'ours_softplus_{p}_ms'))} | "
                       f"{fmt(fs)} | {fmt(r.get(f'fla_nosafe_{p}_ms'))} | {fmt(r.get(f'torch_ref_{p}_ms'))} | {ratio} | "
-                      f"{tf} | {gb} | {err} |")
+                      f"{tf} | {gb} | {err} | {peak} |")
     if dec:
         md += ["", "| decode B (H=16, K=V=128, fp32 state) | ours | ours (CUDA graph) | fla fused_recurrent | "
                "torch ref | ours state GB/s | of copy |", "|---|---|---|---|---|---|---|"]

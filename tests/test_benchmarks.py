@@ -35,6 +35,7 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "make", make_fp32)
     monkeypatch.setattr(bench, "ceilings", lambda: (1.0, 1.0))
     monkeypatch.setattr(bench, "bench", lambda fn, grad_to_none=None, rep=100: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "peak_gib", lambda fn: (fn(), 2.0)[1])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (interpreter)")
     monkeypatch.setattr(sys, "argv", ["kda.py", str(tmp_path), "fast", "nodecode", "shapes=1x70x2"])
     bench.main(str(tmp_path))
@@ -48,6 +49,7 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
     assert max(row["rel_err_grads_bounded"].values()) < 1e-3
     table = (tmp_path / "kda_bench.md").read_text()
     assert "| 1x70x2 | fwd | 1.00 ms |" in table and "| 1x70x2 | fwdbwd | 1.00 ms |" in table
+    assert row["ours_bounded_fwdbwd_peak_GiB"] == 2.0 and table.splitlines()[-1].endswith("| 2.00 / - |")
 
 
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
