@@ -1,4 +1,6 @@
-"""Cache, incremental decoding, padding and generate() behaviour of KdaMoeForCausalLM (CPU, fp32)."""
+"""Cache, incremental decoding, padding and generate() behaviour of KdaMoeForCausalLM (CPU, fp32; one test bf16)."""
+
+import copy
 
 import pytest
 import torch
@@ -50,6 +52,20 @@ def test_incremental_decoding_matches_full_forward(full_model, chunks):
         full = full_model(input_ids).logits
         stepped = decode_in_chunks(full_model, input_ids, chunks)
     assert (stepped - full).abs().max() < 1e-4
+
+
+def test_bf16_model_decodes_token_by_token_on_cpu(full_model):
+    """A bf16 model decodes through the PyTorch reference: the KDA decode step keeps the activations' dtype (its fp32
+    state must not turn the layer's output fp32, which the bf16 output projection rejects) and follows the full
+    forward. bf16 logits: 2e-2 relative, the rounding of ~8 bits through a few layers on both paths."""
+    model = copy.deepcopy(full_model).to(torch.bfloat16)
+    input_ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(input_ids).logits.float()
+        stepped = decode_in_chunks(model, input_ids, [5] + [1] * 4)
+        generated = model.generate(input_ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert stepped.dtype == torch.bfloat16 and generated.shape == (2, 12)
+    assert ((stepped.float() - full).norm() / full.norm()).item() < 2e-2
 
 
 def test_absorbed_mla_decoding_reads_only_the_latent_cache(full_model):

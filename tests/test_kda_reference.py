@@ -218,3 +218,25 @@ def test_decode_step_rejects_inputs_that_are_not_one_token_of_its_state():
         kda_decode_step(q, k[..., :8], v, g, beta, A_log, dt_bias, state)
     with pytest.raises(ValueError, match="gate_lower_bound must be negative"):
         kda_decode_step(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=1.0)
+
+
+def test_every_reference_path_returns_the_output_in_v_dtype_and_the_state_in_fp32():
+    """bf16 inputs with an fp32 state: the token-by-token, chunked and single-step references, and the public ops on
+    the torch backend (T = 1 goes token by token), all return o in v's dtype and the state in fp32."""
+    from kda_moe.kernels.kda import kda_decode_step, kimi_delta_attention
+
+    q, k, v, g, beta = (t.to(torch.bfloat16) for t in activated_inputs(2, 3))
+    S0 = torch.randn(2, H, K, V)
+    o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.25, S0)
+    assert (o.dtype, S.dtype) == (torch.bfloat16, torch.float32)
+    for fn in (recurrent_kda, chunk_kda):
+        o, S = fn(q, k, v, g, beta, 0.25, S0, output_final_state=True)
+        assert (o.dtype, S.dtype) == (torch.bfloat16, torch.float32), fn
+    raw = [torch.randn_like(t) for t in (q, k, v, q)] + [torch.randn(2, 3, H).to(torch.bfloat16)]
+    A_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
+    for T in (1, 3):
+        o, S = kimi_delta_attention(*(t[:, :T] for t in raw), A_log, dt_bias, initial_state=S0,
+                                    output_final_state=True, backend="torch")
+        assert (o.dtype, S.dtype) == (torch.bfloat16, torch.float32), T
+    state = S0.clone()
+    assert kda_decode_step(*(t[:, :1] for t in raw), A_log, dt_bias, state, backend="torch").dtype == torch.bfloat16

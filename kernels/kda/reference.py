@@ -68,13 +68,14 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, inclusive
 def kda_step(q, k, v, g, beta, scale: float, state: torch.Tensor):
     """One decoding step. q, k, g: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``;
     state: ``[B, H, K, V]`` fp32 (not modified). Returns ``(o [B, H, V] in v.dtype, new_state fp32)``."""
+    out_dtype = v.dtype
     dtype = torch.promote_types(_compute_dtype(v), state.dtype)
     q, k, v, g, beta, S = (t.to(dtype) for t in (q, k, v, g, beta, state))
     S = S * g.exp().unsqueeze(-1)
     v_new = beta.unsqueeze(-1) * (v - torch.einsum("bhk,bhkv->bhv", k, S))
     S = S + k.unsqueeze(-1) * v_new.unsqueeze(-2)
     o = torch.einsum("bhk,bhkv->bhv", q * scale, S)
-    return o.to(v.dtype), S
+    return o.to(out_dtype), S
 
 
 def recurrent_kda(q, k, v, g, beta, scale: float, initial_state=None, output_final_state: bool = False):
