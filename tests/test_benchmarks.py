@@ -1,5 +1,6 @@
-"""benchmarks/kda.py end to end on CPU under the Triton interpreter, with stand-in timings: its plumbing (variants,
-error checks, tables) must not rot between the GPU runs that use it. The numbers are not checked here."""
+"""benchmarks/kda.py and benchmarks/model.py end to end on CPU (kda.py under the Triton interpreter, with stand-in
+timings; model.py with a tiny config): their plumbing (variants, error checks, tables) must not rot between the GPU
+runs that use them. The numbers are not checked here."""
 
 import importlib.util
 import json
@@ -96,3 +97,30 @@ def test_tf32_emulation_shows_the_gate_gradients_keep_their_precision_through_tf
     assert set(rows) == {"tf32", "tf32x3"} and chunk_bwd.CONFIG["gate_prec"] == "bf16"
     for prec in ("tf32", "tf32x3"):
         assert rows[prec]["dt_bias"] < 3e-3 and rows[prec]["g"] < 3e-3, (prec, rows[prec])
+
+
+def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, monkeypatch):
+    """benchmarks/model.py end to end on CPU with a tiny config: transformers' Kimi Linear (on its PyTorch paths) and
+    ours from its checkpoint agree on the logits, and every case gets a row with both sides' throughput."""
+    from test_kimi_linear_checkpoints import import_kimi_linear_on_torch, tiny_kimi_linear_config
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model.py"
+    spec = importlib.util.spec_from_file_location("model_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "dev", "cpu")
+    monkeypatch.setattr(bench, "anchor_config", tiny_kimi_linear_config)
+    monkeypatch.setattr(bench, "kimi_linear_class", lambda: import_kimi_linear_on_torch().KimiLinearForCausalLM)
+    monkeypatch.setattr(bench, "CASES", [("train_step", (1, 32)), ("prefill", (40,)), ("generate", (2, 8, 3))])
+    bench.main(str(tmp_path))
+
+    result = json.loads((tmp_path / "model_bench.json").read_text())
+    assert result["logits_rel_err"] < 1e-5
+    assert [(row["case"], row["shape"]) for row in result["rows"]] == [("train_step", [1, 32]), ("prefill", [40]),
+                                                                        ("generate", [2, 8, 3])]
+    for row in result["rows"]:
+        for side in ("theirs", "ours"):
+            assert "error" not in row[side], row[side]
+            assert row[side]["decode_tok_s" if row["case"] == "generate" else "tok_s"] > 0
+    table = (tmp_path / "model_bench.md").read_text()
+    assert "| train_step 1x32 |" in table and "| generate 2x8x3 |" in table

@@ -1,0 +1,176 @@
+"""End to end on the GPU: our KdaMoeForCausalLM against transformers' KimiLinearForCausalLM with fla's kernels (the
+anchor in ../shared/anchors), both holding the same weights and timed in one run: a training step (forward,
+backward, AdamW), a long prefill and batched decoding through ``generate()``; tokens/s, peak memory and ratios.
+
+    python benchmarks/model.py OUTDIR        (kda_moe importable; fla 0.6.0 for transformers' kernels)
+
+The anchor's config (822M parameters: 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1 shared, bf16) is built
+as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``), so both sides hold
+the same weights. Before timing, the run compares the two models' fp32 logits on one short prompt. The cases and
+their timing (median of a few calls after warm-up calls) are the anchor script's. Writes OUTDIR/model_bench.md and
+OUTDIR/model_bench.json after every case (a run cut short keeps what it measured); prints the table last.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+from kda_moe import KdaMoeForCausalLM
+
+dev = "cuda"
+LAYERS = 8
+# (case, shape) as the anchor runs them: training steps (B, T), prefills (T,), generate (B, prompt, new tokens)
+CASES = [("train_step", (4, 4096)), ("train_step", (1, 16384)), ("prefill", (16384,)), ("prefill", (65536,)),
+         ("generate", (1, 2048, 128)), ("generate", (32, 2048, 128))]
+
+
+def anchor_config():
+    """The anchor's KimiLinear config (../shared/anchors/anchor_kimi_linear_e2e.py)."""
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+        num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256, q_lora_rank=None,
+        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=64, num_experts_per_tok=8,
+        n_shared_experts=1, routed_scaling_factor=1.0, linear_head_dim=128, linear_num_heads=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(LAYERS)],
+        mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1), pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def kimi_linear_class():
+    from transformers import KimiLinearForCausalLM
+
+    return KimiLinearForCausalLM
+
+
+def build_models(config, folder):
+    """(transformers' model, ours) with the same random weights, fp32 on ``dev``: ours loads the other's checkpoint."""
+    torch.manual_seed(0)
+    theirs = kimi_linear_class()(config)
+    theirs.generation_config.eos_token_id = None  # random weights: every generation runs its full length
+    theirs.save_pretrained(folder)
+    ours = KdaMoeForCausalLM.from_pretrained(folder)
+    ours.generation_config.eos_token_id = None
+    return theirs.to(dev), ours.to(dev)
+
+
+def sync():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, n, warm):
+    """Median seconds of n calls after warm calls."""
+    for _ in range(warm):
+        fn()
+    sync()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_gb():
+    return torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
+
+
+def run_case(model, case, shape, vocab):
+    """One case on one model, as the anchor measures it: a dict of seconds, throughput and peak memory."""
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if case == "train_step":
+        B, T = shape
+        ids = torch.randint(3, vocab, (B, T), device=dev)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        s = timed(step, n=5, warm=2)
+        del opt
+        model.eval()
+        return dict(s=s, tok_s=B * T / s, peak_GB=peak_gb())
+    with torch.no_grad():
+        if case == "prefill":
+            (T,) = shape
+            ids = torch.randint(3, vocab, (1, T), device=dev)
+            s = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), n=3, warm=1)
+            return dict(s=s, tok_s=T / s, peak_GB=peak_gb())
+        B, P, N = shape
+        ids = torch.randint(3, vocab, (B, P), device=dev)
+        s = timed(lambda: model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False), n=2, warm=1)
+        s_prompt = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), n=2, warm=1)
+        decode = max(s - s_prompt, 1e-9)
+        return dict(s=s, decode_tok_s=B * N / decode, ms_per_step=decode / N * 1e3, peak_GB=peak_gb())
+
+
+def logits_error(theirs, ours, vocab):
+    """Relative error of our fp32 logits against transformers' on one 256-token prompt (same weights)."""
+    ids = torch.randint(3, vocab, (1, 256), device=dev)
+    with torch.no_grad():
+        a, b = ours(input_ids=ids).logits.double(), theirs(input_ids=ids).logits.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def write_tables(res, out):
+    """OUTDIR/model_bench.md and model_bench.json from what ``res`` holds so far; returns the markdown."""
+    md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}; {res['params'] / 1e6:.0f}M "
+          f"parameters; fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}.", "",
+          "| case | transformers + fla | ours | ours / transformers (throughput) | peak GB: transformers / ours |",
+          "|---|---|---|---|---|"]
+    for row in res["rows"]:
+        key = "decode_tok_s" if row["case"] == "generate" else "tok_s"
+        unit = "tokens/s decoded" if row["case"] == "generate" else "tokens/s"
+        sides = [row.get(side, {}) for side in ("theirs", "ours")]
+        cells = [f"{s[key]:,.0f} {unit}" if key in s else s.get("error", "-")[:80] for s in sides]
+        ratio = f"{sides[1][key] / sides[0][key]:.2f}x" if all(key in s for s in sides) else "-"
+        peaks = " / ".join(f"{s['peak_GB']:.1f}" if s.get("peak_GB") is not None else "-" for s in sides)
+        md.append(f"| {row['case']} {'x'.join(map(str, row['shape']))} | {cells[0]} | {cells[1]} | {ratio} | {peaks} |")
+    text = "\n".join(md)
+    open(os.path.join(out, "model_bench.md"), "w").write(text + "\n")
+    json.dump(res, open(os.path.join(out, "model_bench.json"), "w"), indent=1)
+    return text
+
+
+def main(out):
+    import transformers
+
+    os.makedirs(out, exist_ok=True)
+    config = anchor_config()
+    with tempfile.TemporaryDirectory() as folder:
+        theirs, ours = build_models(config, folder)
+    res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
+               transformers=transformers.__version__, params=sum(p.numel() for p in ours.parameters()), rows=[])
+    res["logits_rel_err"] = logits_error(theirs.eval(), ours.eval(), config.vocab_size)
+    print(f"logits, ours against transformers' (fp32): {res['logits_rel_err']:.1e}", flush=True)
+    models = {"theirs": theirs.to(torch.bfloat16), "ours": ours.to(torch.bfloat16)}
+    for case, shape in CASES:
+        row = dict(case=case, shape=list(shape))
+        for side, model in models.items():
+            try:
+                row[side] = run_case(model, case, shape, config.vocab_size)
+            except Exception:  # noqa: BLE001
+                row[side] = dict(error=traceback.format_exc(limit=3)[-600:])
+            print(case, shape, side, row[side], flush=True)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        res["rows"].append(row)
+        write_tables(res, out)  # after every case: a call cut short still leaves its table
+    print(write_tables(res, out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")
