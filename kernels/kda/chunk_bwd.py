@@ -46,10 +46,11 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # kernel's operand dtype (bf16 ones feed its wgmma from shared memory) and the dq / dk scratch is in the storage
 # dtype: 18.69 -> 18.38 -> 17.55 ms (stop 14, same run), worst bf16 error 4.1e-3 either way (4x4096x16, bounded).
 # The per-chunk state gradients in the storage dtype too (the states stay fp32, chunk_fwd.CONFIG): 17.45 -> 17.31 ms,
-# peak memory 9.05 -> 8.55 GiB, errors unchanged, GPU module 12/12. Stop 15 (same run): MMA-dtype pair-term operands
-# skip the tf32 bit mask (a no-op on bf16 values; 5744 -> 5496 instructions, spills 672 -> 592 B): 17.28 -> 17.00 ms;
-# the state kernel's K slices launched next to each other (they read the same dO / delta / ddelta tiles, now from L2):
-# state kernel 3.94 -> 3.40 ms; state_bv 32 -> 128 (one V pass, 128 registers, no spill): 16.46 -> 16.05 ms.
+# peak memory 9.05 -> 8.55 GiB, errors unchanged, GPU module 12/12. Stop 15, each against the defaults before it:
+# MMA-dtype pair-term operands skip the tf32 bit mask (a no-op on bf16 values; 5744 -> 5496 instructions, spills
+# 672 -> 592 B): 17.28 -> 17.00 ms; the state kernel's K slices launched next to each other (they read the same dO /
+# delta / ddelta tiles, now from L2): state kernel 3.94 -> 3.40 ms; state_bv 32 -> 128 (one V pass, 128 registers,
+# no spill): 16.46 -> 16.05 ms.
 # stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=1,
