@@ -16,9 +16,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 
-def load_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kda.py"
-    spec = importlib.util.spec_from_file_location("kda_benchmark", path)
+def load_benchmark(script="kda.py"):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -104,10 +104,7 @@ def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, monkeypat
     ours from its checkpoint agree on the logits, and every case gets a row with both sides' throughput."""
     from test_kimi_linear_checkpoints import import_kimi_linear_on_torch, tiny_kimi_linear_config
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model.py"
-    spec = importlib.util.spec_from_file_location("model_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("model.py")
     monkeypatch.setattr(bench, "dev", "cpu")
     monkeypatch.setattr(bench, "anchor_config", tiny_kimi_linear_config)
     monkeypatch.setattr(bench, "kimi_linear_class", lambda: import_kimi_linear_on_torch().KimiLinearForCausalLM)

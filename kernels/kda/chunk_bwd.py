@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch
+from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch, storage_dtype
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
                           gate, load_row_norms, scan_start, as_mma_reads, tile_references)
 
@@ -334,12 +334,12 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     if CONFIG["stop_after"] == "recompute":
         return None
     do = do.contiguous()
-    sd = fb["W"].dtype  # the storage dtype
+    sd = storage_dtype(v)
     # every buffer is dropped after its last kernel, so that the caching allocator hands its memory to the next ones
     dhbuf = torch.empty_like(fb["h"], dtype=sd)  # per-chunk state gradients, in the storage dtype
     ddbuf = torch.empty_like(fb["delta"])
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if initial_state is not None else None
-    BVs, stages = scan_launch(V, N * H, fb["delta"].dtype, CONFIG["scan_bv"], CONFIG["scan_stages"])
+    BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"])
     _scan_bwd_kernel[(triton.cdiv(V, BVs), N * H)](
         fb["W"], fb["Qg"], fb["Kd"], fb["Aqk"], fb["gam"], do, dht, dh0, dhbuf, ddbuf, cu_seqlens, chunk_offsets, T,
         H=H, K=K, V=V, BV=BVs, IS_VARLEN=IS_VARLEN, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, MMA=MMA,
