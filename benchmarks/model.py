@@ -6,9 +6,11 @@ backward, AdamW), a long prefill and batched decoding through ``generate()``; to
 
 The anchor's config (822M parameters: 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1 shared, bf16) is built
 as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``), so both sides hold
-the same weights. Before timing, the run compares the two models' fp32 logits on one short prompt. The cases and
+the same weights. Before timing, the run compares fp32 logits on one short prompt: ours against transformers', and
+ours against our own PyTorch backend (which separates kernel precision from a difference in the model). The cases and
 their timing (median of a few calls after warm-up calls) are the anchor script's. Writes OUTDIR/model_bench.md and
-OUTDIR/model_bench.json after every case (a run cut short keeps what it measured); prints the table last.
+OUTDIR/model_bench.json after every case (a run cut short keeps what it measured), prints a line with the seconds
+since the start as each side of a case begins and ends, and prints the table last.
 """
 
 import json
@@ -50,15 +52,24 @@ def kimi_linear_class():
     return KimiLinearForCausalLM
 
 
+START = time.perf_counter()
+
+
+def log(message):
+    print(f"[{time.perf_counter() - START:6.0f} s] {message}", flush=True)
+
+
 def build_models(config, folder):
-    """(transformers' model, ours) with the same random weights, fp32 on ``dev``: ours loads the other's checkpoint."""
+    """(transformers' model, ours, ours on the PyTorch backend) with the same random weights, fp32 on ``dev``: ours
+    loads the other's checkpoint."""
     torch.manual_seed(0)
     theirs = kimi_linear_class()(config)
     theirs.generation_config.eos_token_id = None  # random weights: every generation runs its full length
     theirs.save_pretrained(folder)
     ours = KdaMoeForCausalLM.from_pretrained(folder)
     ours.generation_config.eos_token_id = None
-    return theirs.to(dev), ours.to(dev)
+    ours_on_torch = KdaMoeForCausalLM.from_pretrained(folder, kernel_backend="torch")
+    return theirs.to(dev), ours.to(dev), ours_on_torch.to(dev)
 
 
 def sync():
@@ -117,18 +128,20 @@ def run_case(model, case, shape, vocab):
         return dict(s=s, decode_tok_s=B * N / decode, ms_per_step=decode / N * 1e3, peak_GB=peak_gb())
 
 
-def logits_error(theirs, ours, vocab):
-    """Relative error of our fp32 logits against transformers' on one 256-token prompt (same weights)."""
+def logits_errors(ours, references, vocab):
+    """Relative errors of our fp32 logits against each reference model's on one 256-token prompt (same weights)."""
     ids = torch.randint(3, vocab, (1, 256), device=dev)
     with torch.no_grad():
-        a, b = ours(input_ids=ids).logits.double(), theirs(input_ids=ids).logits.double()
-    return ((a - b).norm() / b.norm()).item()
+        a = ours.eval()(input_ids=ids).logits.double()
+        bs = [model.eval()(input_ids=ids).logits.double() for model in references]
+    return [((a - b).norm() / b.norm()).item() for b in bs]
 
 
 def write_tables(res, out):
     """OUTDIR/model_bench.md and model_bench.json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}; {res['params'] / 1e6:.0f}M "
-          f"parameters; fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}.", "",
+          f"parameters; fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}, against our PyTorch "
+          f"backend: {res['logits_rel_err_torch_backend']:.1e}.", "",
           "| case | transformers + fla | ours | ours / transformers (throughput) | peak GB: transformers / ours |",
           "|---|---|---|---|---|"]
     for row in res["rows"]:
@@ -151,20 +164,24 @@ def main(out):
     os.makedirs(out, exist_ok=True)
     config = anchor_config()
     with tempfile.TemporaryDirectory() as folder:
-        theirs, ours = build_models(config, folder)
+        theirs, ours, ours_on_torch = build_models(config, folder)
     res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
                transformers=transformers.__version__, params=sum(p.numel() for p in ours.parameters()), rows=[])
-    res["logits_rel_err"] = logits_error(theirs.eval(), ours.eval(), config.vocab_size)
-    print(f"logits, ours against transformers' (fp32): {res['logits_rel_err']:.1e}", flush=True)
+    res["logits_rel_err"], res["logits_rel_err_torch_backend"] = logits_errors(
+        ours, [theirs, ours_on_torch], config.vocab_size)
+    del ours_on_torch
+    log(f"fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}, against our PyTorch backend: "
+        f"{res['logits_rel_err_torch_backend']:.1e}")
     models = {"theirs": theirs.to(torch.bfloat16), "ours": ours.to(torch.bfloat16)}
     for case, shape in CASES:
         row = dict(case=case, shape=list(shape))
         for side, model in models.items():
+            log(f"{case} {shape} {side}: start")
             try:
                 row[side] = run_case(model, case, shape, config.vocab_size)
             except Exception:  # noqa: BLE001
                 row[side] = dict(error=traceback.format_exc(limit=3)[-600:])
-            print(case, shape, side, row[side], flush=True)
+            log(f"{case} {shape} {side}: {row[side]}")
             if dev == "cuda":
                 torch.cuda.empty_cache()
         res["rows"].append(row)
