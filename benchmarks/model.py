@@ -2,7 +2,7 @@
 anchor in ../shared/anchors), both holding the same weights and timed in one run: a training step (forward,
 backward, AdamW), a long prefill and batched decoding through ``generate()``; tokens/s, peak memory and ratios.
 
-    python benchmarks/model.py OUTDIR        (kda_moe importable; fla 0.6.0 for transformers' kernels)
+    python benchmarks/model.py OUTDIR [profile]      (kda_moe importable; fla 0.6.0 for transformers' kernels)
 
 The anchor's config (822M parameters: 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1 shared, bf16) is built
 as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``), so both sides hold
@@ -10,7 +10,9 @@ the same weights. Before timing, the run compares fp32 logits on one short promp
 ours against our own PyTorch backend (which separates kernel precision from a difference in the model). The cases and
 their timing (median of a few calls after warm-up calls) are the anchor script's. Writes OUTDIR/model_bench.md and
 OUTDIR/model_bench.json after every case (a run cut short keeps what it measured), prints a line with the seconds
-since the start as each side of a case begins and ends, and prints the table last.
+since the start as each side of a case begins and ends, and prints the table last. ``profile`` replaces the timed
+cases by a torch.profiler table of one training step at the first training shape per side (the kernels sorted by
+their own time), written to OUTDIR/model_profile_{theirs,ours}.txt: where a training step's time goes.
 """
 
 import json
@@ -95,25 +97,46 @@ def peak_gb():
     return torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
 
 
+def train_step(model, shape, vocab):
+    """A closure running one training step (forward, backward, AdamW) on random tokens of ``shape`` = (B, T); it
+    leaves ``model`` in training mode."""
+    ids = torch.randint(3, vocab, shape, device=dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def profile_train_step(model, shape, vocab):
+    """torch.profiler's table of one training step after two warm-up steps, the 30 costliest kernels (on CPU: ops)
+    by their own time."""
+    step = train_step(model, shape, vocab)
+    for _ in range(2):
+        step()
+    sync()
+    on_gpu = dev == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        step()
+        sync()
+    model.eval()
+    return prof.key_averages().table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total",
+                                     row_limit=30)
+
+
 def run_case(model, case, shape, vocab):
     """One case on one model, as the anchor measures it: a dict of seconds, throughput and peak memory."""
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if case == "train_step":
-        B, T = shape
-        ids = torch.randint(3, vocab, (B, T), device=dev)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
-
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        s = timed(step, n=5, warm=2)
-        del opt
+        s = timed(train_step(model, shape, vocab), n=5, warm=2)
         model.eval()
-        return dict(s=s, tok_s=B * T / s, peak_GB=peak_gb())
+        return dict(s=s, tok_s=shape[0] * shape[1] / s, peak_GB=peak_gb())
     with torch.no_grad():
         if case == "prefill":
             (T,) = shape
@@ -158,7 +181,7 @@ def write_tables(res, out):
     return text
 
 
-def main(out):
+def main(out, profile=False):
     import transformers
 
     os.makedirs(out, exist_ok=True)
@@ -173,6 +196,14 @@ def main(out):
     log(f"fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}, against our PyTorch backend: "
         f"{res['logits_rel_err_torch_backend']:.1e}")
     models = {"theirs": theirs.to(torch.bfloat16), "ours": ours.to(torch.bfloat16)}
+    if profile:
+        shape = next(shape for case, shape in CASES if case == "train_step")
+        for side, model in models.items():
+            log(f"profile of a training step {shape}, {side}: start")
+            table = profile_train_step(model, shape, config.vocab_size)
+            open(os.path.join(out, f"model_profile_{side}.txt"), "w").write(table + "\n")
+            print(table, flush=True)
+        return
     for case, shape in CASES:
         row = dict(case=case, shape=list(shape))
         for side, model in models.items():
@@ -190,4 +221,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    main(sys.argv[1] if len(sys.argv) > 1 else ".", profile="profile" in sys.argv[2:])

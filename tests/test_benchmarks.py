@@ -99,9 +99,9 @@ def test_tf32_emulation_shows_the_gate_gradients_keep_their_precision_through_tf
         assert rows[prec]["dt_bias"] < 3e-3 and rows[prec]["g"] < 3e-3, (prec, rows[prec])
 
 
-def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, monkeypatch):
-    """benchmarks/model.py end to end on CPU with a tiny config: transformers' Kimi Linear (on its PyTorch paths) and
-    ours from its checkpoint agree on the logits, and every case gets a row with both sides' throughput."""
+@pytest.fixture
+def tiny_model_benchmark(monkeypatch):
+    """benchmarks/model.py on CPU with a tiny config and transformers' Kimi Linear on its PyTorch paths."""
     from test_kimi_linear_checkpoints import import_kimi_linear_on_torch, tiny_kimi_linear_config
 
     bench = load_benchmark("model.py")
@@ -109,7 +109,13 @@ def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, monkeypat
     monkeypatch.setattr(bench, "anchor_config", tiny_kimi_linear_config)
     monkeypatch.setattr(bench, "kimi_linear_class", lambda: import_kimi_linear_on_torch().KimiLinearForCausalLM)
     monkeypatch.setattr(bench, "CASES", [("train_step", (1, 32)), ("prefill", (40,)), ("generate", (2, 8, 3))])
-    bench.main(str(tmp_path))
+    return bench
+
+
+def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, tiny_model_benchmark):
+    """benchmarks/model.py end to end on CPU with a tiny config: transformers' Kimi Linear (on its PyTorch paths) and
+    ours from its checkpoint agree on the logits, and every case gets a row with both sides' throughput."""
+    tiny_model_benchmark.main(str(tmp_path))
 
     result = json.loads((tmp_path / "model_bench.json").read_text())
     assert result["logits_rel_err"] < 1e-5 and result["logits_rel_err_torch_backend"] < 1e-5
@@ -121,3 +127,14 @@ def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, monkeypat
             assert row[side]["decode_tok_s" if row["case"] == "generate" else "tok_s"] > 0
     table = (tmp_path / "model_bench.md").read_text()
     assert "| train_step 1x32 |" in table and "| generate 2x8x3 |" in table
+
+
+def test_model_benchmark_profile_writes_each_sides_training_step_profile(tmp_path, tiny_model_benchmark):
+    """``profile``: a profiler table of one training step per side (on CPU its ops; their matmuls appear), and no
+    timed cases."""
+    tiny_model_benchmark.main(str(tmp_path), profile=True)
+
+    assert not (tmp_path / "model_bench.json").exists()
+    for side in ("theirs", "ours"):
+        table = (tmp_path / f"model_profile_{side}.txt").read_text()
+        assert "Self CPU" in table and "aten::mm" in table, table[:400]
