@@ -5,7 +5,8 @@ ceilings measured in the same run.
     python benchmarks/kda.py OUTDIR [fast] [decode|nodecode] [shapes=16x4096x16,...] [tune|stages]
                                                                       (kda_moe importable; fla 0.6.0 for its columns)
 
-``fast`` drops the slow columns (our softplus path, the torch reference) and the per-stage times; ``decode``
+``fast`` drops the slow columns (our softplus path, the torch reference) and the per-stage and per-kernel times
+(torch.profiler) of one forward + backward at the first shape; ``decode``
 runs only the ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
 the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments);
 ``stages`` tunes only the first two (pipelining depth of the forward chunk and the gate-gradient kernels);
@@ -142,6 +143,24 @@ def kernel_stats():
     return stats
 
 
+def kernel_times(step, iterations=10):
+    """Mean time (ms) per call of ``step`` of each kernel it launches, by the kernel's own time under torch.profiler,
+    longest first (on CPU: each op's own CPU time)."""
+    on_gpu = dev == "cuda"
+    step()
+    if on_gpu:
+        torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(iterations):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    own = {e.key: (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3 / iterations
+           for e in prof.key_averages()}
+    return dict(sorted(((name, ms) for name, ms in own.items() if ms > 0), key=lambda item: -item[1]))
+
+
 # launch knobs tried by tune(), one at a time from the defaults: (pipeline, knob, values)
 KNOBS = [("fwd", "chunk_stages", (1, 2)), ("bwd", "gate_stages", (1, 2)), ("bwd", "state_stages", (1, 2)),
          ("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
@@ -192,6 +211,10 @@ def tune(res, knobs):
     print("picked:", res["config"], flush=True)
     res["kernel_stats"] = kernel_stats()
     print("kernel stats:", res["kernel_stats"], flush=True)
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    step = lambda: chunk_kda_triton(*ins, A_log, dt_bias, gate_lower_bound=LB)[0].backward(do)
+    res["kernel_ms"] = kernel_times(step)
+    print("kernel times, one fwd+bwd (ms):", {n[:40]: round(x, 3) for n, x in res["kernel_ms"].items()}, flush=True)
 
 
 def main(out):

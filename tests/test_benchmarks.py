@@ -53,6 +53,29 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
     assert row["ours_bounded_fwdbwd_peak_GiB"] == 2.0 and table.splitlines()[-1].endswith("| 2.00 / - |")
 
 
+def test_kda_benchmark_without_fast_times_each_stage_and_kernel(tmp_path, monkeypatch):
+    """Without ``fast`` the benchmark also times each stage of our pipeline (stand-in timings here) and profiles one
+    forward + backward per kernel (on CPU the profiler sees the interpreter's torch ops, longest first)."""
+    bench = load_benchmark()
+    make = bench.make
+    monkeypatch.setattr(bench, "dev", "cpu")
+    monkeypatch.setattr(bench, "SHAPES", [(1, 64, 1, 16)])
+    monkeypatch.setattr(bench, "make", lambda B, T, H, K: tuple(t.float() for t in make(B, T, H, K)))
+    monkeypatch.setattr(bench, "ceilings", lambda: (1.0, 1.0))
+    monkeypatch.setattr(bench, "bench", lambda fn, grad_to_none=None, rep=100: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "peak_gib", lambda fn: (fn(), 2.0)[1])
+    profile_once = bench.kernel_times
+    monkeypatch.setattr(bench, "kernel_times", lambda step, iterations=10: profile_once(step, iterations=1))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (interpreter)")
+    monkeypatch.setattr(sys, "argv", ["kda.py", str(tmp_path), "nodecode"])
+    bench.main(str(tmp_path))
+
+    result = json.loads((tmp_path / "kda_bench.json").read_text())
+    assert set(result["stage_ms"]) >= {"fwd_until_chunk", "fwd_until_end", "bwd_until_recompute", "bwd_until_end"}
+    times = list(result["kernel_ms"].values())
+    assert times and all(ms > 0 for ms in times) and times == sorted(times, reverse=True)
+
+
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     """The interpreter accepts code the compiler rejects: compile every chunked-KDA kernel for sm_90 (no GPU
     needed) through benchmarks/compile_report.py, in a process without the interpreter."""
