@@ -484,8 +484,8 @@ def quantile_balancing_bias(
     histograms of `bins` bins (`column_quantile`), so every rank ends with the same bias.
     """
     num_experts = scores.shape[1]
-    num_tokens = scores.shape[0]
-    if group is not None:  # one process: no device round trip (a host sync per MoE layer and step)
+    num_tokens = scores.shape[0]  # on one process from the shape: no host sync per MoE layer and training step
+    if group is not None:
         num_tokens = int(pooled_sum(torch.tensor([num_tokens], device=scores.device), group).item())
     target = min(num_tokens * top_k // num_experts, num_tokens - 1)
     for _ in range(iterations):

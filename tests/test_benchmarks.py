@@ -24,7 +24,9 @@ def load_benchmark(script="kda.py"):
     return module
 
 
-def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
+@pytest.fixture
+def interpreted_kda_benchmark(monkeypatch):
+    """benchmarks/kda.py on CPU under the interpreter: fp32 inputs, every timing 1 ms, every peak 2 GiB."""
     bench = load_benchmark()
     make = bench.make
 
@@ -32,12 +34,17 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
         return tuple(t.float() for t in make(B, T, H, K))
 
     monkeypatch.setattr(bench, "dev", "cpu")
-    monkeypatch.setattr(bench, "SHAPES", [(1, 70, 2, 16), (1, 64, 1, 16)])
     monkeypatch.setattr(bench, "make", make_fp32)
     monkeypatch.setattr(bench, "ceilings", lambda: (1.0, 1.0))
     monkeypatch.setattr(bench, "bench", lambda fn, grad_to_none=None, rep=100: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "peak_gib", lambda fn: (fn(), 2.0)[1])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (interpreter)")
+    return bench
+
+
+def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch, interpreted_kda_benchmark):
+    bench = interpreted_kda_benchmark
+    monkeypatch.setattr(bench, "SHAPES", [(1, 70, 2, 16), (1, 64, 1, 16)])
     monkeypatch.setattr(sys, "argv", ["kda.py", str(tmp_path), "fast", "nodecode", "shapes=1x70x2"])
     bench.main(str(tmp_path))
 
@@ -53,20 +60,13 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch):
     assert row["ours_bounded_fwdbwd_peak_GiB"] == 2.0 and table.splitlines()[-1].endswith("| 2.00 / - |")
 
 
-def test_kda_benchmark_without_fast_times_each_stage_and_kernel(tmp_path, monkeypatch):
+def test_kda_benchmark_without_fast_times_each_stage_and_kernel(tmp_path, monkeypatch, interpreted_kda_benchmark):
     """Without ``fast`` the benchmark also times each stage of our pipeline (stand-in timings here) and profiles one
     forward + backward per kernel (on CPU the profiler sees the interpreter's torch ops, longest first)."""
-    bench = load_benchmark()
-    make = bench.make
-    monkeypatch.setattr(bench, "dev", "cpu")
+    bench = interpreted_kda_benchmark
     monkeypatch.setattr(bench, "SHAPES", [(1, 64, 1, 16)])
-    monkeypatch.setattr(bench, "make", lambda B, T, H, K: tuple(t.float() for t in make(B, T, H, K)))
-    monkeypatch.setattr(bench, "ceilings", lambda: (1.0, 1.0))
-    monkeypatch.setattr(bench, "bench", lambda fn, grad_to_none=None, rep=100: (fn(), 1.0)[1])
-    monkeypatch.setattr(bench, "peak_gib", lambda fn: (fn(), 2.0)[1])
     profile_once = bench.kernel_times
     monkeypatch.setattr(bench, "kernel_times", lambda step, iterations=10: profile_once(step, iterations=1))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (interpreter)")
     monkeypatch.setattr(sys, "argv", ["kda.py", str(tmp_path), "nodecode"])
     bench.main(str(tmp_path))
 
