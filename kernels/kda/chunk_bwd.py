@@ -55,7 +55,7 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # module has passed with it (Triton 3.6 has miscompiled pipelining choices before: chunk_fwd.scan_launch).
 # stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
-              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=1,
+              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=2,
               gate_maxnreg=None, gate_prec="bf16", stop_after=None)
 
 
