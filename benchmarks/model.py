@@ -2,7 +2,8 @@
 anchor in ../shared/anchors), both holding the same weights and timed in one run: a training step (forward,
 backward, AdamW), a long prefill and batched decoding through ``generate()``; tokens/s, peak memory and ratios.
 
-    python benchmarks/model.py OUTDIR [profile]      (kda_moe importable; fla 0.6.0 for transformers' kernels)
+    python benchmarks/model.py OUTDIR [profile] [cases=train_step,prefill,generate]
+                                                     (kda_moe importable; fla 0.6.0 for transformers' kernels)
 
 The anchor's config (822M parameters: 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1 shared, bf16) is built
 as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``), so both sides hold
@@ -12,7 +13,8 @@ their timing (median of a few calls after warm-up calls) are the anchor script's
 OUTDIR/model_bench.json after every case (a run cut short keeps what it measured), prints a line with the seconds
 since the start as each side of a case begins and ends, and prints the table last. ``profile`` replaces the timed
 cases by a torch.profiler table of one training step at the first training shape per side (the kernels sorted by
-their own time), written to OUTDIR/model_profile_{theirs,ours}.txt: where a training step's time goes.
+their own time), written to OUTDIR/model_profile_{theirs,ours}.txt: where a training step's time goes. ``cases=``
+keeps only the listed kinds of case.
 """
 
 import json
@@ -181,7 +183,7 @@ def write_tables(res, out):
     return text
 
 
-def main(out, profile=False):
+def main(out, profile=False, kinds=None):
     import transformers
 
     os.makedirs(out, exist_ok=True)
@@ -205,6 +207,8 @@ def main(out, profile=False):
             print(table, flush=True)
         return
     for case, shape in CASES:
+        if kinds and case not in kinds:
+            continue
         row = dict(case=case, shape=list(shape))
         for side, model in models.items():
             log(f"{case} {shape} {side}: start")
@@ -221,4 +225,5 @@ def main(out, profile=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".", profile="profile" in sys.argv[2:])
+    picked = [a.split("=", 1)[1].split(",") for a in sys.argv[2:] if a.startswith("cases=")]
+    main(sys.argv[1] if len(sys.argv) > 1 else ".", profile="profile" in sys.argv[2:], kinds=picked[0] if picked else None)

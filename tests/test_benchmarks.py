@@ -161,3 +161,11 @@ def test_model_benchmark_profile_writes_each_sides_training_step_profile(tmp_pat
     for side in ("theirs", "ours"):
         table = (tmp_path / f"model_profile_{side}.txt").read_text()
         assert "Self CPU" in table and "aten::mm" in table, table[:400]
+
+
+def test_model_benchmark_runs_only_the_kinds_of_case_picked(tmp_path, tiny_model_benchmark):
+    """``cases=prefill``: the prefill rows alone."""
+    tiny_model_benchmark.main(str(tmp_path), kinds=["prefill"])
+
+    result = json.loads((tmp_path / "model_bench.json").read_text())
+    assert [row["case"] for row in result["rows"]] == ["prefill"]

@@ -138,12 +138,46 @@ def test_chunk_kda_fp16_inputs_and_flat_gate_without_state():
     assert rel(o, ro) < 2e-3
 
 
-def test_bounded_gate_outside_safe_range_uses_the_safe_diagonal_path():
-    x = kda_inputs(1, 64, 1, 16, 16, torch.float32)
+def _diagonal_paths(x, lb, BK=32):
+    """How many (chunk, head, K slice) of ``x`` have every 16-token tile decaying by at most DIAG_SPAN (their
+    diagonal blocks go through the GEMMs), and how many do not (the safe path): (gemm, safe)."""
+    from kda_moe.kernels.kda.chunk_tiles import DIAG_SPAN
+
+    G = kda_gate(x["g"].double(), x["A_log"], x["dt_bias"], lb)  # [B, T, H, K]
+    B, T, H, K = G.shape
+    spans = -G.unflatten(1, (T // 16, 16)).sum(2)  # [B, tiles, H, K]
+    worst = spans.unflatten(1, (T // 64, 4)).amax(2).unflatten(-1, (K // BK, BK)).amax(-1)  # [B, chunks, H, slices]
+    gemm = int((worst <= DIAG_SPAN.value).sum())
+    return gemm, worst.numel() - gemm
+
+
+@pytest.mark.parametrize("lb", [-20.0, None], ids=["bounded-beyond-safe-range", "softplus"])
+def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, monkeypatch):
+    """Without a guarantee from the gate bound, each chunk's K slice checks its tiles' decay: mild ones keep the
+    diagonal blocks in the GEMMs, steep ones sum them column by column. A mix of both matches the reference in
+    outputs and gradients, and differs (in rounding) from the safe path everywhere; taking the GEMMs everywhere
+    instead overflows on the steep slice."""
+    from kda_moe.kernels.kda import chunk_tiles
+
+    x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
+    x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
+    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.08 (e^-0.7) per tile
+    x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 (e^-20) per token
+    gemm, safe = _diagonal_paths(x, lb)
+    assert gemm > 0 and safe > 0, (gemm, safe)
+    o, ht, grads = kda_forward_backward(x, lb, None, True)
+    ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    for n in grads:
+        tol = 2e-3 if n in ("g", "A_log", "dt_bias") else 1e-4  # the gate's cancellation in fp32
+        assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
-    o, _ = chunk_kda_triton(*args, gate_lower_bound=-20.0)
-    ro, _ = kimi_delta_attention(*[a.double() for a in args], gate_lower_bound=-20.0, backend="torch")
-    assert torch.isfinite(o).all() and rel(o, ro) < 1e-5
+    monkeypatch.setattr(chunk_tiles, "DIAG_SPAN", tl.constexpr(-1.0))
+    o_safe, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
+    assert rel(o_safe, ro) < 1e-5 and not torch.equal(o_safe, o.detach())
+    monkeypatch.setattr(chunk_tiles, "DIAG_SPAN", tl.constexpr(float("inf")))
+    o_gemm, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
+    assert not torch.isfinite(o_gemm).all()
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])

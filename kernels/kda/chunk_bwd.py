@@ -192,8 +192,8 @@ def _wy_grads_kernel(beta, v, do, Tb, dbuf, ddbuf, dWb, kgb, dv, dLb, dAqb, dbet
 
 
 @triton.jit
-def _row_tile_grads(rl, rq, C, E, dl, da, dlt, dat, kn, pb, pq, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr,
-                    MMA: tl.constexpr, PREC: tl.constexpr):
+def _row_tile_grads(rl, rq, C, E, dl, da, dlt, dat, kn, pb, pq, G, r, R: tl.constexpr, tile, diag, MMA: tl.constexpr,
+                    PREC: tl.constexpr):
     """Row tile R's share of the score gradients, with the forward's factoring (``chunk_fwd._row_tile_scores``),
     before the row factors ``e^(G_i - r)``: rows of tile R: ``rl_i += sum_j dL_ij kc_j``, ``rq_i`` likewise with
     dA_qk, where ``kc_j = kn_j e^(r - G_j)``; columns: ``s_j = sum_{i in R} dL_ij pb_i + dA_ij pq_i``, added to
@@ -203,7 +203,7 @@ def _row_tile_grads(rl, rq, C, E, dl, da, dlt, dat, kn, pb, pq, G, r, R: tl.cons
     pair and its column side ``kc_j dL_ij pb_i`` are the same fp32 number: they cancel exactly in the gate gradient,
     whose chunk sum they leave unchanged, and tf32 / bf16 products cost no more than a perturbation of the inputs.
     dl, da are dL and dA_qk as MMA operands, dlt, dat their transposes."""
-    cf = column_factor(G, r, R, FAST_DIAG)
+    cf = column_factor(G, r, R, diag)
     kc = as_mma_reads(kn * cf, MMA, PREC)
     col = kc.to(MMA)
     own = (tile == R)[:, None]
@@ -261,7 +261,7 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
             qn = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * (rq * scale)[:, None]
             bk = kn * b[:, None]
-            r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # the forward's factoring
+            diag, r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # the forward's factoring
             pb = as_mma_reads(bk * f, MMA, PREC)
             pq = as_mma_reads(qn * f, MMA, PREC)
             rl = tl.zeros((BT, BK), dtype=tl.float32)
@@ -269,18 +269,18 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             C = tl.zeros((BT, BK), dtype=tl.float32)
             E = tl.zeros((BT, BK), dtype=tl.float32)
             rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r0, 0, tile,
-                                            FAST_DIAG, MMA, PREC)
+                                            diag, MMA, PREC)
             rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r1, 1, tile,
-                                            FAST_DIAG, MMA, PREC)
+                                            diag, MMA, PREC)
             rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r2, 2, tile,
-                                            FAST_DIAG, MMA, PREC)
+                                            diag, MMA, PREC)
             rl, rqs, C, E = _row_tile_grads(rl, rqs, C, E, dlm, dam, dlt, dat, kn, pb, pq, G, r3, 3, tile,
-                                            FAST_DIAG, MMA, PREC)
+                                            diag, MMA, PREC)
             # the decay gradient from the GEMM tiles, every pair term as the MMA formed it (see _row_tile_grads)
             dG = pb * rl + pq * rqs - E + tl.load(dG_s + pk, mask=mk, other=0.0)
             rl = rl * f
             rqs = rqs * f
-            if not FAST_DIAG:
+            if not diag:
                 xl, xq, xc = diagonal_grads(dl, da, kn, bk, qn, G)
                 rl += xl
                 rqs += xq

@@ -73,22 +73,22 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
         kt, qt, G, kg = _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, i_h, K,
                                      BOUNDED)
         tl.store(Wb + pk, kg.to(Wb.dtype.element_ty), mask=mk)
-        r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # f: every row's factor against its own tile
+        diag, r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # f: every row's factor against its own tile
         kf = kt * f
         qf = qt * f
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, FAST_DIAG, MMA)
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r1, 1, tile, FAST_DIAG, MMA)
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r2, 2, tile, FAST_DIAG, MMA)
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, FAST_DIAG, MMA)
-        if not FAST_DIAG:
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, diag, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r1, 1, tile, diag, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r2, 2, tile, diag, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, diag, MMA)
+        if not diag:
             kk, qk = diagonal_scores(kk, qk, kt, qt, G)
     return kk, qk
 
 
 @triton.jit
-def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
+def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, diag, MMA: tl.constexpr):
     """Add row tile R's scores: rows of tile R of (kf, qf) times the columns it may see, k_j e^(r - G_j)."""
-    col = (kt * column_factor(G, r, R, FAST_DIAG)).to(MMA)
+    col = (kt * column_factor(G, r, R, diag)).to(MMA)
     own = (tile == R)[:, None]
     kk = tl.dot(tl.where(own, kf, 0.0).to(MMA), tl.trans(col), kk)
     qk = tl.dot(tl.where(own, qf, 0.0).to(MMA), tl.trans(col), qk)

@@ -8,12 +8,13 @@ Decay between two tokens, ``exp(G_i - G_j)`` with ``i >= j``, is only ever forme
 two factors that cannot overflow, split at a reference ``r_R`` of the row tile R that holds ``i``:
 ``exp(G_i - r_R) * exp(r_R - G_j)``. So every row tile of a score matrix is one tensor-core GEMM:
 
-* bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``): ``r_R`` is the tile's mid decay; within the
-  tile both factors lie within ``exp(8 * 5.9)`` and columns before it only shrink, so the diagonal block is
-  in the GEMM too;
-* unbounded softplus gate: ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns
-  before the tile, and the diagonal block is summed one column at a time with the pairwise decay (the safe
-  path the bounded gate exists to avoid).
+* when no channel decays by more than ``DIAG_SPAN`` (e^-94.4) across a 16-token tile, ``r_R`` is the tile's mid
+  decay: within the tile both factors lie within ``exp(47.2)`` and columns before it only shrink, so the diagonal
+  block is in the GEMM too. A bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``) guarantees it for every
+  tile; for the unbounded softplus gate the kernels check it per chunk and K slice (``tile_references``);
+* otherwise ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns before the tile, and
+  the diagonal block is summed one column at a time with the pairwise decay (the safe path the bounded gate
+  exists to avoid).
 """
 
 import triton
@@ -21,6 +22,7 @@ import triton.language as tl
 
 BT = tl.constexpr(64)  # chunk length (a constexpr so kernels can read it; host code uses BT.value)
 SAFE_LOWER_BOUND = 5.9  # |gate_lower_bound| up to which the diagonal tiles are dense GEMMs
+DIAG_SPAN = tl.constexpr(16 * SAFE_LOWER_BOUND)  # the largest decay (-log) across a tile whose diagonal is a GEMM
 
 
 def fast_diag(gate_lower_bound) -> bool:
@@ -62,7 +64,9 @@ def chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K: tl.constexpr, BOUNDED: t
 
 @triton.jit
 def tile_references(G, FAST_DIAG: tl.constexpr):
-    """The decay references r_0..r_3 of the four row tiles ([BK] each, see ``tile_reference``) and every row's
+    """(diag, r_0..r_3, f) of one chunk's K slice: whether its diagonal blocks are in the GEMMs (always under a gate
+    bounded within the safe range, ``FAST_DIAG``; else when no channel decays by more than ``DIAG_SPAN`` across any
+    of its tiles, checked here), the row tiles' decay references ([BK] each, see ``tile_reference``) and every row's
     factor against its own tile's reference, ``e^(G_i - r_R(i))`` ([64, BK])."""
     o_t = tl.arange(0, 64)
     tile = (o_t // 16)[:, None]
@@ -70,21 +74,25 @@ def tile_references(G, FAST_DIAG: tl.constexpr):
     c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
     c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
     c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
-    r0 = tile_reference(tl.zeros_like(c1), c1, FAST_DIAG)
-    r1 = tile_reference(c1, c2, FAST_DIAG)
-    r2 = tile_reference(c2, c3, FAST_DIAG)
-    r3 = tile_reference(c3, c4, FAST_DIAG)
+    if FAST_DIAG:
+        diag = True
+    else:  # G falls along the chunk: a tile's span is its start's decay minus its end's
+        diag = tl.max(tl.maximum(tl.maximum(-c1, c1 - c2), tl.maximum(c2 - c3, c3 - c4)), 0) <= DIAG_SPAN
+    r0 = tile_reference(tl.zeros_like(c1), c1, diag)
+    r1 = tile_reference(c1, c2, diag)
+    r2 = tile_reference(c2, c3, diag)
+    r3 = tile_reference(c3, c4, diag)
     rows = tl.where(tile == 0, r0[None, :], tl.where(tile == 1, r1[None, :], tl.where(tile == 2, r2[None, :],
                                                                                         r3[None, :])))
-    return r0, r1, r2, r3, tl.exp(G - rows)
+    return diag, r0, r1, r2, r3, tl.exp(G - rows)
 
 
 @triton.jit
-def column_factor(G, r, R: tl.constexpr, FAST_DIAG: tl.constexpr):
+def column_factor(G, r, R: tl.constexpr, diag):
     """``e^(r - G_j)`` on the columns row tile R sees through the GEMM, 0 elsewhere ([64, BK]): the tiles before
-    it, and its own when the bounded gate keeps both factors finite (else its diagonal block takes the safe path)."""
+    it, and its own when its diagonal block is in the GEMM (``diag``; else that block takes the safe path)."""
     o_t = tl.arange(0, 64)
-    if FAST_DIAG:
+    if diag:
         seen = o_t < 16 * (R + 1)
     else:
         seen = o_t < 16 * R
@@ -92,10 +100,10 @@ def column_factor(G, r, R: tl.constexpr, FAST_DIAG: tl.constexpr):
 
 
 @triton.jit
-def tile_reference(c_lo, c_hi, FAST_DIAG: tl.constexpr):
-    """The decay reference r_R of a row tile spanning decays [c_lo, c_hi]: its mid decay when the diagonal block
-    is a GEMM (bounded gate), else its start (every factor <= 1)."""
-    if FAST_DIAG:
+def tile_reference(c_lo, c_hi, diag):
+    """The decay reference r_R of a row tile spanning decays [c_lo, c_hi]: its mid decay when its diagonal block is
+    a GEMM, else its start (every factor <= 1)."""
+    if diag:
         r = 0.5 * (c_lo + c_hi)
     else:
         r = c_lo
