@@ -51,8 +51,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column
 # 672 -> 592 B): 17.28 -> 17.00 ms; the state kernel's K slices launched next to each other (they read the same dO /
 # delta / ddelta tiles, now from L2): state kernel 3.94 -> 3.40 ms; state_bv 32 -> 128 (one V pass, 128 registers,
 # no spill): 16.46 -> 16.05 ms. Stop 16: gate_stages 2 (its loads pipelined; spill 592 -> 560 B, 37 KB of shared
-# memory) timed 15.86 -> 15.73 ms (16x4096x16) and 16.74 -> 16.59 ms (4x16384x16); it stays 1 until the GPU test
-# module has passed with it (Triton 3.6 has miscompiled pipelining choices before: chunk_fwd.scan_launch).
+# memory) timed 15.86 -> 15.73 ms (16x4096x16) and 16.74 -> 16.59 ms (4x16384x16); the default since the GPU test
+# module passed with it (stop 17, 12/12; Triton 3.6 has miscompiled pipelining choices before: chunk_fwd.scan_launch).
 # stop_after ends the backward early (stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=2,
