@@ -11,7 +11,8 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
 * when no channel decays by more than ``DIAG_SPAN`` (e^-94.4) across a 16-token tile, ``r_R`` is the tile's mid
   decay: within the tile both factors lie within ``exp(47.2)`` and columns before it only shrink, so the diagonal
   block is in the GEMM too. A bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``) guarantees it for every
-  tile; for the unbounded softplus gate the kernels check it per chunk and K slice (``tile_references``);
+  tile; for any other gate (softplus, or bounded beyond that) the kernels check it per chunk and K slice
+  (``tile_references``);
 * otherwise ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns before the tile, and
   the diagonal block is summed one column at a time with the pairwise decay (the safe path the bounded gate
   exists to avoid).
@@ -26,6 +27,7 @@ DIAG_SPAN = tl.constexpr(16 * SAFE_LOWER_BOUND)  # the largest decay (-log) acro
 
 
 def fast_diag(gate_lower_bound) -> bool:
+    """Whether the gate's bound alone keeps every tile within DIAG_SPAN (the kernels then skip the check)."""
     return gate_lower_bound is not None and -gate_lower_bound <= SAFE_LOWER_BOUND
 
 
