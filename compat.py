@@ -133,6 +133,23 @@ def linear_attention_states(cache, layer_idx: int) -> tuple[torch.Tensor | None,
     return layer.conv_states[0], layer.recurrent_states[0]
 
 
+def store_linear_attention_states(cache, layer_idx: int, conv_state, recurrent_state, new_tokens: int):
+    """Cache a KDA layer's final conv state ``[B, D, W]`` and recurrent state after a forward over ``new_tokens``
+    tokens.
+
+    From 5.25 a linear-attention cache layer counts the tokens it has seen (its `get_seq_length`, which
+    `generate()` reads from layer 0 to know how much of `input_ids` is already cached) by the width of each
+    `update_conv_state` call: transformers' layers pass the new tokens' conv inputs there, ours the final state
+    (our conv kernels produce it, and update it in place when decoding), so the count moves by ``new_tokens - W``
+    more. Earlier versions count nothing on linear layers (`get_seq_length` reads the first attention layer).
+    """
+    cache.update_conv_state(conv_state, layer_idx, conv_kernel_size=conv_state.shape[-1])
+    cache.update_recurrent_state(recurrent_state, layer_idx)
+    seen = getattr(cache.layers[layer_idx], "cumulative_length_linear", None)
+    if seen is not None:
+        seen.add_(new_tokens - conv_state.shape[-1])
+
+
 try:  # transformers >= 5.21
     from transformers.modeling_utils import slice_logits_to_keep
 except ImportError:

@@ -36,6 +36,7 @@ from ..compat import (
     model_output,
     output_cache,
     slice_logits_to_keep,
+    store_linear_attention_states,
 )
 from ..configuration import KdaMoeTextConfig
 from ..kernels import gated_rms_norm, kda_decode_step, kimi_delta_attention, short_conv, short_conv_step
@@ -392,8 +393,7 @@ class KdaMoeDeltaAttention(nn.Module):
                 backend=self.backend,
             )  # [B, T, H, V], [B, H, K, V] fp32
         if cache is not None:
-            cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=conv_state.shape[-1])
-            cache.update_recurrent_state(recurrent_state, self.layer_idx)
+            store_linear_attention_states(cache, self.layer_idx, conv_state, recurrent_state, seq_len)
 
         output = self.o_norm(core_attn_out, self.output_gate(hidden_states).view(head_shape))
         return self.o_proj(output.reshape(batch_size, seq_len, self.width))
