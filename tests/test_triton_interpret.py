@@ -161,7 +161,7 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
 
     x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
     x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
-    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.08 (e^-0.7) per tile
+    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.18) per tile
     x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 (e^-20) per token
     gemm, safe = _diagonal_paths(x, lb)
     assert gemm > 0 and safe > 0, (gemm, safe)
