@@ -169,3 +169,31 @@ def test_model_benchmark_runs_only_the_kinds_of_case_picked(tmp_path, tiny_model
 
     result = json.loads((tmp_path / "model_bench.json").read_text())
     assert [row["case"] for row in result["rows"]] == ["prefill"]
+
+
+def test_ncu_lines_charges_each_instructions_stall_samples_to_its_source_line():
+    """benchmarks/ncu_lines.py's attribution, on a made-up kernel: nvdisasm's line table (with a predicated
+    instruction) and ncu's per-instruction samples (absolute addresses, one stall column per reason)."""
+    lines = load_benchmark("ncu_lines.py")
+    sass = "\n".join([
+        '\t//## File "/x/kernels/kda/chunk_fwd.py", line 10',
+        "        /*0000*/                   LDG.E R2, [R4.64] ;",
+        "        /*0010*/                   FADD R3, R2, R2 ;",
+        '\t//## File "/x/triton/language/standard.py", line 263',
+        "        /*0020*/              @P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+        "        /*0030*/                   FADD R3, R3, R5 ;",
+    ])
+    where, opcodes = lines.line_table(sass)
+    assert opcodes == ["LDG.E", "FADD", "BAR.SYNC.DEFER_BLOCKING", "FADD"]
+    assert where[0x10] == ("chunk_fwd.py", 10) and where[0x30] == ("standard.py", 263)
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb", "stall_barrier",
+              "stall_barrier (Not Issued)"]
+    rows = [["7f00", "LDG.E R2, [R4.64] ;", "1", "0", "0", "0"], ["7f10", "FADD R3, R2, R2 ;", "5", "5", "0", "0"],
+            ["7f20", "@P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;", "3", "0", "3", "2"], ["7f30", "FADD R3, R3, R5 ;", "1", "0",
+                                                                                 "0", "0"]]
+    csv_text = "\n".join(",".join(f'"{c}"' for c in r) for r in [["Kernel Name", "k"], header] + rows)
+    parsed = lines.read_source_csv(csv_text)
+    assert [r[1] for r in parsed] == opcodes and [r[0] for r in parsed] == [0, 0x10, 0x20, 0x30]
+    (s1, loc1, why1), (s2, loc2, why2) = lines.attribute(parsed, where)
+    assert (s1, loc1, why1[0]) == (0.6, ("chunk_fwd.py", 10), ("long_sb", 5 / 6))
+    assert (s2, loc2, why2[0]) == (0.4, ("standard.py", 263), ("barrier", 0.75))

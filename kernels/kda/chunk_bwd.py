@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch, storage_dtype
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_grads, fast_diag,
-                          gate, load_row_norms, scan_start, as_mma_reads, tile_references)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_grads,
+                          fast_diag, gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
 
 # Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
 # gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
@@ -131,7 +131,8 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, Nb, hbuf, dhbuf, 
         dW = -dW
         # decay of this channel slice, computed as the forward computes it
         pk, _ = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-        _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, m_t, i_h, o_k, K, BOUNDED)
+        _, G = chunk_decay(g, dt_bias, a, lb, pk, m_t, i_h, o_k, K, BOUNDED)
+        Gend = chunk_end(G)
         eG = tl.exp(G)
         eK = tl.exp(Gend[None, :] - G)
         kn = tl.load(k + pk, mask=m_t, other=0.0).to(tl.float32) * rk[:, None]
@@ -253,15 +254,16 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
         db = tl.zeros((BT,), dtype=tl.float32)
         rho_k = tl.zeros((BT,), dtype=tl.float32)
         rho_q = tl.zeros((BT,), dtype=tl.float32)
-        dal = tl.zeros((BK,), dtype=tl.float32)
+        dal = tl.zeros((BT,), dtype=tl.float32)  # dA_log's terms, summed over K per row (a row sum stays in a warp)
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
             pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            z, G, _ = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+            z, G = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+            c1, c2, c3, c4 = tile_ends(G)
             kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
             qn = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * (rq * scale)[:, None]
             bk = kn * b[:, None]
-            diag, r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # the forward's factoring
+            diag, r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, FAST_DIAG)  # the forward's factoring
             pb = as_mma_reads(bk * f, MMA, PREC)
             pq = as_mma_reads(qn * f, MMA, PREC)
             rl = tl.zeros((BT, BK), dtype=tl.float32)
@@ -299,7 +301,7 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             dz, dal_t = _gate_back(tl.where(mk, tl.cumsum(dG, 0, reverse=True), 0.0), z, a, lb, BOUNDED)
             dz = tl.where(mk, dz, 0.0)
             tl.store(dg + pk, dz.to(dg.dtype.element_ty), mask=mk)
-            dal += tl.sum(tl.where(mk, dal_t, 0.0), 0)
+            dal += tl.sum(tl.where(mk, dal_t, 0.0), 1)
             tl.store(dbias_part + slot * K + o_k, tl.sum(dz, 0))
         tl.store(dA_part + slot, tl.sum(dal, 0))
         # beta: column side (from the state kernel) + row side sum_d kn dL-row, through the sigmoid

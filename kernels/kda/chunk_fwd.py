@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_offsets64, column_factor, diagonal_scores, fast_diag,
-                          inverse_row_norms, lower_block_matrix, lower_blocks, scan_start, tile_references,
-                          unit_lower_inverse)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_scores,
+                          fast_diag, inverse_row_norms, lower_block_matrix, lower_blocks, scan_start, tile_ends,
+                          tile_references, unit_lower_inverse)
 
 # Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
 # registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
@@ -37,12 +37,11 @@ CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, sca
 
 
 @triton.jit
-def _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, i_h, K: tl.constexpr,
-                 BOUNDED: tl.constexpr):
-    """Load one BK-wide slice of a chunk's q, k and gate logits, store its ``Qg = qn e^G``, ``Kd = kn e^(G_end - G)``
-    and ``gamma = e^(G_end)``, and return the raw k and q, G ([64, BK] fp32 each) and ``kn e^G``, the right
-    operand of ``W = T diag(beta) (kn e^G)``. ``rk``, ``rq``: the rows' inverse norms ([64, 1]; rq times the scale)."""
-    _, G, Gend = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+def _gated_slice(q, k, G, Gend, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, K: tl.constexpr):
+    """Load one BK-wide slice of a chunk's q and k, store its ``Qg = qn e^G``, ``Kd = kn e^(G_end - G)`` and
+    ``gamma = e^(G_end)`` (G: its decay, ``chunk_decay``), and return the raw k and q ([64, BK] fp32 each) and
+    ``kn e^G``, the right operand of ``W = T diag(beta) (kn e^G)``. ``rk``, ``rq``: the rows' inverse norms
+    ([64, 1]; rq times the scale)."""
     kt = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
     qt = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
     eG = tl.exp(G)
@@ -50,7 +49,7 @@ def _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, sl
     tl.store(Kdb + pk, (kn * tl.exp(Gend[None, :] - G)).to(Kdb.dtype.element_ty), mask=mk)
     tl.store(Qgb + pk, (qt * rq * eG).to(Qgb.dtype.element_ty), mask=mk)
     tl.store(gam + slot * K + o_k, tl.exp(Gend))
-    return kt, qt, G, kn * eG
+    return kt, qt, kn * eG
 
 
 @triton.jit
@@ -70,10 +69,11 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-        kt, qt, G, kg = _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, i_h, K,
-                                     BOUNDED)
+        _, G = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+        c1, c2, c3, c4 = tile_ends(G)
+        kt, qt, kg = _gated_slice(q, k, G, c4, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, K)
         tl.store(Wb + pk, kg.to(Wb.dtype.element_ty), mask=mk)
-        diag, r0, r1, r2, r3, f = tile_references(G, FAST_DIAG)  # f: every row's factor against its own tile
+        diag, r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, FAST_DIAG)  # f: each row's own-tile factor
         kf = kt * f
         qf = qt * f
         kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, diag, MMA)
@@ -155,8 +155,9 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
             o_k = kb + tl.arange(0, BK)
             pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
             if LOAD_T:
-                _, _, _, kg = _gated_slice(q, k, g, dt_bias, a, lb, Qgb, Kdb, gam, rk[:, None], rq[:, None], pk, mk,
-                                           o_k, slot, i_h, K, BOUNDED)
+                _, G = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+                _, _, kg = _gated_slice(q, k, G, chunk_end(G), Qgb, Kdb, gam, rk[:, None], rq[:, None], pk, mk, o_k,
+                                        slot, K)
             else:
                 kg = tl.load(Wb + pk, mask=mk, other=0.0)
             tl.store(Wb + pk, tl.dot(Aw, kg.to(MMA)).to(Wb.dtype.element_ty), mask=mk)

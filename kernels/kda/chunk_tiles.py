@@ -57,25 +57,40 @@ def as_mma_reads(y, MMA: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K: tl.constexpr, BOUNDED: tl.constexpr):
-    """One chunk's decay over channels o_k: gate logits z = g + dt_bias, the inclusive decay cumsum G
-    ([64, BK] each) and the chunk's total decay G_end ([BK]); rows past the sequence end decay by 0."""
+    """One chunk's decay over channels o_k: gate logits z = g + dt_bias and the inclusive decay cumsum G
+    ([64, BK] each); rows past the sequence end decay by 0."""
     z = tl.load(g + pk, mask=mk, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
-    ga = tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0)
-    return z, tl.cumsum(ga, 0), tl.sum(ga, 0)
+    return z, tl.cumsum(tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0), 0)
 
 
 @triton.jit
-def tile_references(G, FAST_DIAG: tl.constexpr):
-    """(diag, r_0..r_3, f) of one chunk's K slice: whether its diagonal blocks are in the GEMMs (always under a gate
-    bounded within the safe range, ``FAST_DIAG``; else when no channel decays by more than ``DIAG_SPAN`` across any
-    of its tiles, checked here), the row tiles' decay references ([BK] each, see ``tile_reference``) and every row's
-    factor against its own tile's reference, ``e^(G_i - r_R(i))`` ([64, BK])."""
-    o_t = tl.arange(0, 64)
-    tile = (o_t // 16)[:, None]
-    c1 = tl.sum(tl.where((o_t == 15)[:, None], G, 0.0), 0)  # decay at the end of tiles 0..3
-    c2 = tl.sum(tl.where((o_t == 31)[:, None], G, 0.0), 0)
-    c3 = tl.sum(tl.where((o_t == 47)[:, None], G, 0.0), 0)
-    c4 = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), 0)
+def chunk_end(G):
+    """The chunk's total decay ``G_end`` ([BK]): exactly G's last row, so the last token's ``e^(G_end - G)`` is 1."""
+    return tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), 0)
+
+
+@triton.jit
+def tile_ends(G):
+    """G at the end of tiles 0..3, ``c_1..c_4`` ([BK] each; ``c_4 = G_end``), in one reduction across the warps
+    (four separate sums took a barrier each)."""
+    o_t = tl.arange(0, 64)[:, None]
+    return tl.reduce((tl.where(o_t == 15, G, 0.0), tl.where(o_t == 31, G, 0.0), tl.where(o_t == 47, G, 0.0),
+                      tl.where(o_t == 63, G, 0.0)), 0, _add4)
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def tile_references(G, c1, c2, c3, c4, FAST_DIAG: tl.constexpr):
+    """(diag, r_0..r_3, f) of one chunk's K slice with tile-end decays c1..c4 (``tile_ends``): whether its diagonal
+    blocks are in the GEMMs (always under a gate bounded within the safe range, ``FAST_DIAG``; else when no channel
+    decays by more than ``DIAG_SPAN`` across any of its tiles, checked here), the row tiles' decay references ([BK]
+    each, see ``tile_reference``) and every row's factor against its own tile's reference, ``e^(G_i - r_R(i))``
+    ([64, BK])."""
+    tile = (tl.arange(0, 64) // 16)[:, None]
     if FAST_DIAG:
         diag = True
     else:  # G falls along the chunk: a tile's span is its start's decay minus its end's
