@@ -16,6 +16,7 @@ import csv
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -117,8 +118,9 @@ def main(out, shape, softplus):
     import triton
 
     out.mkdir(parents=True, exist_ok=True)
-    ncu = os.environ.get("NCU", "ncu" if subprocess.run(["which", "ncu"], capture_output=True).returncode == 0
-                         else "/usr/local/cuda/bin/ncu")
+    ncu = os.environ.get("NCU") or shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    if not os.path.exists(ncu) and not shutil.which(ncu):
+        raise SystemExit(f"Nsight Compute's ncu not found (tried {ncu}); put it on PATH or set NCU=/path/to/ncu.")
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     cache = out / "triton_cache"
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
