@@ -58,6 +58,23 @@ def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen):
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+def test_the_last_token_of_every_chunk_enters_the_state_undecayed(lb):
+    """The chunk's total decay G_end is G's last row exactly (``chunk_tiles.chunk_end`` / ``tile_ends``), so the last
+    token of every chunk, also one that ends a sequence mid-chunk, goes into the state with ``e^(G_end - G) = 1``: its
+    row of Kd is its normalised key, bit for bit."""
+    from kda_moe.kernels.kda.chunk_fwd import chunk_kda_fwd
+
+    cu = torch.tensor([0, 70, 150])
+    x = kda_inputs(1, 150, 2, 32, 16, torch.float32, N=2)
+    fb = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lb, 0.3, x["h0"], False,
+                       cu, for_backward=True)
+    kn = x["k"] * fb["norms"][..., :1]  # the kernel's k / ||k||
+    last = [63, 69, 70 + 63, 149]  # chunks [0, 64), [64, 70) of the first sequence, [70, 134), [134, 150) of the second
+    assert torch.equal(fb["Kd"][0, last], kn[0, last])
+    assert not torch.equal(fb["Kd"][0, [62, 68]], kn[0, [62, 68]])  # earlier tokens decay
+
+
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
     """Under autograd the forward keeps A_qk and T for the backward, which then skips the gated scores and the
     inverse; its gradients are those of a backward that recomputes everything (varlen, with states)."""
