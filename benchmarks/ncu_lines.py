@@ -92,20 +92,17 @@ def cubin_for(opcodes, cubins, nvdisasm):
 
 
 def child(shape, softplus):
-    """The profiled program: warm up (compiles), then one forward + backward between cudaProfilerStart / Stop."""
+    """The profiled program: warm up (compiles), then one forward + backward between cudaProfilerStart / Stop, on
+    benchmarks/kda.py's inputs (its ``make``) and gate bound."""
     import torch
 
+    from kda import LB, make  # benchmarks/kda.py, beside this script
     from kda_moe.kernels.kda.chunk import chunk_kda_triton
 
-    B, T, H, K = shape
-    torch.manual_seed(0)
-    q, k, v, g = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(4))
-    beta = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16)).requires_grad_()
-    dt_bias = (torch.randn(H * K, device="cuda") * 0.1).requires_grad_()
-    do = torch.randn_like(v)
-    lb = None if softplus else -5.0
-    step = lambda: chunk_kda_triton(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=lb)[0].backward(do)
+    inputs = [t.requires_grad_() for t in make(*shape)]
+    do = torch.randn_like(inputs[2])
+    lb = None if softplus else LB
+    step = lambda: chunk_kda_triton(*inputs, gate_lower_bound=lb)[0].backward(do)
     step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
