@@ -6,6 +6,16 @@ from kda_moe.kernels.kda import kimi_delta_attention
 from kda_moe.kernels.kda.chunk import chunk_kda_triton
 
 
+FORWARD_FORMS = ["wu-in-chunk", "delta-in-scan"]  # chunk_fwd.forms_wu's two forward paths
+
+
+def use_forward_form(monkeypatch, form):
+    """Make the output forward take ``form`` whatever the number of (sequence, head) pairs (chunk_fwd.forms_wu)."""
+    from kda_moe.kernels.kda import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd.CONFIG, "factored_min_pairs", 1 << 30 if form == "wu-in-chunk" else 0)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 

@@ -24,7 +24,7 @@ from kda_moe.kernels.kda.recurrent import kda_decode_step_triton  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
-from kda_testing import kda_forward_backward, kda_inputs, rel  # noqa: E402
+from kda_testing import FORWARD_FORMS, kda_forward_backward, kda_inputs, rel, use_forward_form  # noqa: E402
 
 dev = "cuda"
 
@@ -32,9 +32,11 @@ dev = "cuda"
 REF = torch.float32  # the reference's dtype: fp32 is 1e-6 accurate here (fp64 is needlessly slow at these sizes)
 
 
+@pytest.mark.parametrize("form", FORWARD_FORMS)
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_chunk_kda_full_size_matches_reference(lb, dtype):
+def test_chunk_kda_full_size_matches_reference(lb, dtype, form, monkeypatch):
+    use_forward_form(monkeypatch, form)
     x = kda_inputs(2, 2048, 4, 128, 128, dtype, device=dev)
     o, ht, gr = kda_forward_backward(x, lb, None, True, REF)
     ro, rht, rgr = kda_forward_backward(x, lb, None, False, REF)
@@ -47,7 +49,9 @@ def test_chunk_kda_full_size_matches_reference(lb, dtype):
         assert torch.isfinite(gr[n]).all() and rel(gr[n], rgr[n]) < tol, (n, rel(gr[n], rgr[n]))
 
 
-def test_chunk_kda_varlen_bf16_matches_reference():
+@pytest.mark.parametrize("form", FORWARD_FORMS)
+def test_chunk_kda_varlen_bf16_matches_reference(form, monkeypatch):
+    use_forward_form(monkeypatch, form)
     cu = torch.tensor([0, 1, 300, 300, 1500, 4096], device=dev)
     x = kda_inputs(1, 4096, 4, 128, 128, torch.bfloat16, N=5, device=dev)
     o, ht, gr = kda_forward_backward(x, -5.0, cu, True, REF)

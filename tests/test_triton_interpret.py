@@ -26,7 +26,7 @@ from kda_moe.kernels.kda.chunk_tiles import as_mma_reads  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
-from kda_testing import kda_forward_backward, kda_inputs, rel  # noqa: E402
+from kda_testing import FORWARD_FORMS, kda_forward_backward, kda_inputs, rel, use_forward_form  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +39,11 @@ def fp32_gate_products(monkeypatch):
     monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32x3")
 
 
+@pytest.mark.parametrize("form", FORWARD_FORMS)
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
-def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen):
+def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen, form, monkeypatch):
+    use_forward_form(monkeypatch, form)
     if varlen:
         cu = torch.tensor([0, 30, 30, 130, 150])
         x = kda_inputs(1, 150, 2, 16, 32, torch.float32, N=4)
@@ -95,9 +97,10 @@ def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
         assert rel(a, b) < 1e-6
 
 
+@pytest.mark.parametrize("form", FORWARD_FORMS)
 @pytest.mark.parametrize("state_fp32", [True, False], ids=["fp32-states", "bf16-states"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
-def test_chunk_kda_bf16_buffers_with_fp32_products(varlen, state_fp32, monkeypatch):
+def test_chunk_kda_bf16_buffers_with_fp32_products(varlen, state_fp32, form, monkeypatch):
     """bf16 inputs take the bf16 path (bf16 chunk buffers, states as chunk_fwd.CONFIG says, casts) with the
     tensor-core operands kept fp32, since the interpreter's bf16 ``tl.dot`` is wrong: every bf16-only load, store
     and mask runs in CI."""
@@ -108,13 +111,15 @@ def test_chunk_kda_bf16_buffers_with_fp32_products(varlen, state_fp32, monkeypat
     monkeypatch.setattr(chunk_fwd, "mm_dtype", lambda x: tl.float32)
     monkeypatch.setattr(chunk_bwd, "mm_dtype", lambda x: tl.float32)
     monkeypatch.setitem(chunk_fwd.CONFIG, "state_fp32", state_fp32)
+    use_forward_form(monkeypatch, form)
     cu = torch.tensor([0, 1, 1, 100, 130]) if varlen else None
     x = kda_inputs(1 if varlen else 2, 130, 2, 32, 16, torch.bfloat16, N=4 if varlen else None)
     o, ht, grads = kda_forward_backward(x, -5.0, cu, True)
     ro, rht, rgrads = kda_forward_backward(x, -5.0, cu, False)
-    # the reference runs in fp64 on the same bf16 inputs; the kernels round W, U, Qg, Kd, A_qk, T, delta (and
-    # with bf16-states the chunk states) to bf16 (unit roundoff 2^-9 ~ 2e-3), and an output passes through about
-    # four such roundings, a gradient through about eight: 1e-2 and 2e-2 (measured at these shapes: 4e-3 to 1.2e-2).
+    # the reference runs in fp64 on the same bf16 inputs; the kernels round W, U (or k e^G and v - k e^G S), Qg, Kd,
+    # A_qk, T, delta (and with bf16-states the chunk states) to bf16 (unit roundoff 2^-9 ~ 2e-3), and an output
+    # passes through about four such roundings, a gradient through about eight: 1e-2 and 2e-2 (measured at these
+    # shapes: 4e-3 to 1.2e-2).
     assert o.dtype == torch.bfloat16 and rel(o, ro) < 1e-2 and rel(ht, rht) < 1e-2
     for n in grads:
         assert torch.isfinite(grads[n]).all() and rel(grads[n], rgrads[n]) < 2e-2, (n, rel(grads[n], rgrads[n]))

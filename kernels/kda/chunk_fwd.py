@@ -6,13 +6,14 @@ cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk``
 ``chunk_tiles.py``), inverts ``I + diag(beta) A_kk`` by 16x16 blocks, and writes, in the storage dtype
 (bf16 for bf16 inputs, else fp32; the gated rows are stored by the scores pass itself, so q, k and g are read once):
 
-* ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``,
+* ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``, or
+  ``k * exp(G)`` and ``T`` for the scan to apply (``forms_wu``),
 * ``Qg = q * exp(G)``, ``Kd = k * exp(G_end - G)``, ``A_qk``, and ``gamma = exp(G_end)`` (fp32),
 * for the backward, ``T`` itself. The backward's recompute (``LOAD_T``) loads the forward's ``T`` and ``A_qk``
   instead of redoing the gated scores and the inverse.
 
 ``_scan_kernel`` (one program per sequence, head and V tile) walks the chunks in order with the fp32
-state ``S [K, BV]`` in registers: ``delta = U - W S``, ``o = Qg S + A_qk delta``,
+state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k e^G S)``), ``o = Qg S + A_qk delta``,
 ``S <- gamma * S + Kd^T delta``. For the backward it stores ``S`` per chunk (fp32 by default) and ``delta``.
 """
 
@@ -32,8 +33,12 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 # varlen bf16 dk was off by 2.5e-2 against the fp32 reference (the GPU test's initial states are large); fp32 costs
 # 0.7 ms of 24.3 on forward + backward. Their gradients (chunk_bwd) are in the storage dtype. stop_after="chunk" ends
 # the forward after the chunk kernel (per-stage timing only).
+# factored_min_pairs: from this many (sequence, head) pairs up, the output forward leaves W and U to its scan
+# (``forms_wu``); H200, bounded gate, bf16 (stop 19): forward 3.62 -> 3.24 ms at 16x4096x16 (256 pairs), 4.02 -> 3.88
+# at 4x16384x16 (64), 11.59 -> 10.67 at 1x32768x96, but 5.31 -> 5.45 at 1x65536x16 (16 pairs: the scan is the
+# critical path there, and the product it takes over lengthens every step).
 CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None,
-              scan_stages=1, inv_prec="ieee", state_fp32=True, stop_after=None)
+              scan_stages=1, inv_prec="ieee", state_fp32=True, factored_min_pairs=64, stop_after=None)
 
 
 @triton.jit
@@ -121,7 +126,7 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
                   T, scale, lb, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr,
                   MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
-                  STORE_NORMS: tl.constexpr):
+                  STORE_NORMS: tl.constexpr, FORM_WU: tl.constexpr):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
@@ -149,29 +154,42 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
             Tm = _unit_lower_inverse64(Lm, INV_PREC)
             if STORE_T:
                 tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
-            tl.debug_barrier()  # the scores pass's kn e^G in Wb, written by other threads, is read back below
-        Aw = (Tm * b[None, :]).to(MMA)  # T diag(beta)
-        for kb in range(0, K, BK):
-            o_k = kb + tl.arange(0, BK)
-            pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
-            if LOAD_T:
-                _, G = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
-                _, _, kg = _gated_slice(q, k, G, chunk_end(G), Qgb, Kdb, gam, rk[:, None], rq[:, None], pk, mk, o_k,
-                                        slot, K)
-            else:
-                kg = tl.load(Wb + pk, mask=mk, other=0.0)
-            tl.store(Wb + pk, tl.dot(Aw, kg.to(MMA)).to(Wb.dtype.element_ty), mask=mk)
-        for vb in range(0, V, BV):
-            pv, mv = chunk_offsets64(bos, t0, L, i_h, vb + tl.arange(0, BV), H, V)
-            u = tl.dot(Aw, tl.load(v + pv, mask=mv, other=0.0).to(MMA))
-            tl.store(Ub + pv, u.to(Ub.dtype.element_ty), mask=mv)
+            if FORM_WU:
+                tl.debug_barrier()  # the scores pass's kn e^G in Wb, written by other threads, is read back below
+        if FORM_WU:
+            _form_wu(q, k, v, g, dt_bias, a, lb, Wb, Ub, Qgb, Kdb, gam, Tm, b, rk, rq, bos, t0, L, slot, i_h, H, K, V,
+                     BK, BV, BOUNDED, MMA, LOAD_T)
 
 
 @triton.jit
-def _scan_kernel(Wb, Ub, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu_seqlens, chunk_offsets, T,
+def _form_wu(q, k, v, g, dt_bias, a, lb, Wb, Ub, Qgb, Kdb, gam, Tm, b, rk, rq, bos, t0, L, slot, i_h, H: tl.constexpr,
+             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr,
+             MMA: tl.constexpr, LOAD_T: tl.constexpr):
+    """Overwrite Wb's ``kn e^G`` with ``W = T diag(beta) (kn e^G)`` and store ``U = T diag(beta) v``. With LOAD_T
+    (the backward's recompute, T loaded) the gated rows are formed here instead of in the scores pass."""
+    Aw = (Tm * b[None, :]).to(MMA)  # T diag(beta)
+    for kb in range(0, K, BK):
+        o_k = kb + tl.arange(0, BK)
+        pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
+        if LOAD_T:
+            _, G = chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K, BOUNDED)
+            _, _, kg = _gated_slice(q, k, G, chunk_end(G), Qgb, Kdb, gam, rk[:, None], rq[:, None], pk, mk, o_k,
+                                    slot, K)
+        else:
+            kg = tl.load(Wb + pk, mask=mk, other=0.0)
+        tl.store(Wb + pk, tl.dot(Aw, kg.to(MMA)).to(Wb.dtype.element_ty), mask=mk)
+    for vb in range(0, V, BV):
+        pv, mv = chunk_offsets64(bos, t0, L, i_h, vb + tl.arange(0, BV), H, V)
+        u = tl.dot(Aw, tl.load(v + pv, mask=mv, other=0.0).to(MMA))
+        tl.store(Ub + pv, u.to(Ub.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _scan_kernel(Wb, Ub, Tb, beta, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu_seqlens, chunk_offsets, T,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                 STORE_H: tl.constexpr, STORE_D: tl.constexpr, WRITE_O: tl.constexpr, MMA: tl.constexpr):
+                 STORE_H: tl.constexpr, STORE_D: tl.constexpr, WRITE_O: tl.constexpr, FORM_WU: tl.constexpr,
+                 MMA: tl.constexpr):
     i_h, bos, L, c_off, o_k, o_v, ps, S = scan_start(h0, cu_seqlens, chunk_offsets, T, H, K, V, BV, IS_VARLEN, HAS_H0)
     o_c = tl.arange(0, BT)
     for i_c in range(tl.cdiv(L, BT)):
@@ -185,9 +203,14 @@ def _scan_kernel(Wb, Ub, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu_seqlens, 
         pv = tok[:, None] * V + o_v[None, :]
         bw = tl.load(Wb + pk, mask=m_t, other=0.0).to(MMA)
         bkd = tl.load(Kdb + pk, mask=m_t, other=0.0).to(MMA)
-        bu = tl.load(Ub + pv, mask=m_t, other=0.0).to(tl.float32)
         Sm = S.to(MMA)
-        delta = bu - tl.dot(bw, Sm)
+        if FORM_WU:  # Wb: W, Ub: U
+            delta = tl.load(Ub + pv, mask=m_t, other=0.0).to(tl.float32) - tl.dot(bw, Sm)
+        else:  # Wb: kn e^G, Ub: v; delta = T diag(beta) (v - kn e^G S)
+            bb = tl.sigmoid(tl.load(beta + tok, mask=o_t < L, other=0.0).to(tl.float32))
+            aw = (tl.load(Tb + tok[:, None] * BT + o_c[None, :], mask=m_t, other=0.0).to(tl.float32) * bb[None, :])
+            x = tl.load(Ub + pv, mask=m_t, other=0.0).to(tl.float32) - tl.dot(bw, Sm)
+            delta = tl.dot(aw.to(MMA), x.to(MMA))
         dm = delta.to(MMA)
         if STORE_D:
             tl.store(dbuf + pv, dm.to(dbuf.dtype.element_ty), mask=m_t)
@@ -225,6 +248,16 @@ def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: i
     if storage == torch.float32:
         return min(BV, 32), 1
     return BV, (max(stages, 2) if BV < 64 else stages)
+
+
+def forms_wu(NH: int, for_backward: bool) -> bool:
+    """Whether the chunk kernel forms ``W`` and ``U`` for a forward over NH (sequence, head) pairs. The backward
+    reads them, so its recompute always does. The output forward can instead leave ``delta = T diag(beta)
+    (v - kn e^G S)`` to the scan, which then reads T, beta, ``kn e^G`` and v: the chunk kernel skips two passes
+    over K and V (in bf16 a 2-byte read and write per channel of each), the scan's step gains a dependent product.
+    That pays when many scans share the GPU, not when a few are its critical path (``CONFIG["factored_min_pairs"]``).
+    """
+    return for_backward or NH < CONFIG["factored_min_pairs"]
 
 
 def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
@@ -274,12 +307,13 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     W = torch.empty(B, T, H, K, device=dev, dtype=sd)
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)
-    U = torch.empty(B, T, H, V, device=dev, dtype=sd)
+    form_wu = forms_wu(N * H, for_backward)
+    U = torch.empty(B, T, H, V, device=dev, dtype=sd) if form_wu else v  # else the scan reads v itself
     if scores is not None:
         Aqk, Tm = scores
     else:
         Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
-        Tm = torch.empty_like(Aqk) if keep_scores or for_backward else None
+        Tm = torch.empty_like(Aqk) if keep_scores or for_backward or not form_wu else None
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
     norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if for_backward else None
     BOUNDED = gate_lower_bound is not None
@@ -288,7 +322,7 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=for_backward,
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=for_backward, FORM_WU=form_wu,
         num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"], maxnreg=CONFIG["chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None, None
@@ -299,10 +333,10 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dbuf = torch.empty_like(U) if for_backward else None
     BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"], stores_states=for_backward)
     _scan_kernel[(triton.cdiv(V, BVs), N * H)](
-        W, U, Qg, Kd, Aqk, gam, o if o is not None else U, initial_state, ht, hbuf, dbuf, cu_seqlens, chunk_offsets,
-        T, H=H, K=K, V=V, BV=BVs, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, STORE_H=for_backward, STORE_D=for_backward, WRITE_O=not for_backward, MMA=MMA,
-        num_warps=CONFIG["scan_warps"], num_stages=stages)
+        W, U, Tm, beta, Qg, Kd, Aqk, gam, o if o is not None else U, initial_state, ht, hbuf, dbuf, cu_seqlens,
+        chunk_offsets, T, H=H, K=K, V=V, BV=BVs, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
+        STORE_HT=output_final_state, STORE_H=for_backward, STORE_D=for_backward, WRITE_O=not for_backward,
+        FORM_WU=form_wu, MMA=MMA, num_warps=CONFIG["scan_warps"], num_stages=stages)
     if for_backward:
         return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, norms=norms, h=hbuf, delta=dbuf, ht=ht,
                     chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NS=NS, N=N)
