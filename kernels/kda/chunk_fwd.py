@@ -37,8 +37,11 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 # (``forms_wu``); H200, bounded gate, bf16 (stop 19): forward 3.62 -> 3.24 ms at 16x4096x16 (256 pairs), 4.02 -> 3.88
 # at 4x16384x16 (64), 11.59 -> 10.67 at 1x32768x96, but 5.31 -> 5.45 at 1x65536x16 (16 pairs: the scan is the
 # critical path there, and the product it takes over lengthens every step).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, scan_warps=4, scan_bv=None,
-              scan_stages=1, inv_prec="ieee", state_fp32=True, factored_min_pairs=64, stop_after=None)
+# recompute_maxnreg: the backward's recompute (the chunk kernel loading T and A_qk) fits 128 registers without
+# spilling, so four programs share an SM instead of three: forward + backward 15.10 -> 15.00 ms at 16x4096x16,
+# 16.14 -> 16.05 ms at 4x16384x16 (H200, two interleaved rounds, stop 19; forward cap 128: 3.23 -> 4.72 ms).
+CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, recompute_maxnreg=128, scan_warps=4,
+              scan_bv=None, scan_stages=1, inv_prec="ieee", state_fp32=True, factored_min_pairs=64, stop_after=None)
 
 
 @triton.jit
@@ -323,7 +326,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
         STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=for_backward, FORM_WU=form_wu,
-        num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"], maxnreg=CONFIG["chunk_maxnreg"])
+        num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
+        maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None, None
     o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
