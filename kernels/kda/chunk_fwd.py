@@ -7,14 +7,15 @@ cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk``
 (bf16 for bf16 inputs, else fp32; the gated rows are stored by the scores pass itself, so q, k and g are read once):
 
 * ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``, or
-  ``k * exp(G)`` and ``T`` for the scan to apply (``forms_wu``),
+  ``k * exp(G)`` and ``T`` for the scan to apply (``forms_wu``; the gated rows then stay raw and the rows' inverse
+  norms, summed in the scores pass, go to the scan),
 * ``Qg = q * exp(G)``, ``Kd = k * exp(G_end - G)``, ``A_qk``, and ``gamma = exp(G_end)`` (fp32),
 * for the backward, ``T`` itself. The backward's recompute (``LOAD_T``) loads the forward's ``T`` and ``A_qk``
   instead of redoing the gated scores and the inverse.
 
 ``_scan_kernel`` (one program per sequence, head and V tile) walks the chunks in order with the fp32
 state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k e^G S)``), ``o = Qg S + A_qk delta``,
-``S <- gamma * S + Kd^T delta``. For the backward it stores ``S`` per chunk (fp32 by default) and ``delta``.
+``S <- gamma * S + Kd^T delta`` (k and q normalised: raw rows take their norms here). For the backward it stores ``S`` per chunk (fp32 by default) and ``delta``.
 """
 
 import torch
@@ -22,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_scores,
-                          fast_diag, inverse_row_norms, lower_block_matrix, lower_blocks, scan_start, tile_ends,
-                          tile_references, unit_lower_inverse)
+                          fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
+                          scan_start, tile_ends, tile_references, unit_lower_inverse)
 
 # Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
 # registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
@@ -48,8 +49,8 @@ CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, rec
 def _gated_slice(q, k, G, Gend, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, K: tl.constexpr):
     """Load one BK-wide slice of a chunk's q and k, store its ``Qg = qn e^G``, ``Kd = kn e^(G_end - G)`` and
     ``gamma = e^(G_end)`` (G: its decay, ``chunk_decay``), and return the raw k and q ([64, BK] fp32 each) and
-    ``kn e^G``, the right operand of ``W = T diag(beta) (kn e^G)``. ``rk``, ``rq``: the rows' inverse norms
-    ([64, 1]; rq times the scale)."""
+    ``kn e^G``, the right operand of ``W = T diag(beta) (kn e^G)``. ``kn = k rk``, ``qn = q rq``: ``rk``, ``rq``
+    are the rows' inverse norms ([64, 1]; rq times the scale), or 1 and the scale where the rows stay raw."""
     kt = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
     qt = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
     eG = tl.exp(G)
@@ -64,8 +65,9 @@ def _gated_slice(q, k, G, Gend, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, K: tl.
 def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot, i_h, H: tl.constexpr,
             K: tl.constexpr, BK: tl.constexpr, BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr):
     """Un-normalised gated scores of one chunk, ``kk_ij = sum_d k_id k_jd e^(G_id - G_jd)`` and the same for
-    ``qk`` ([64, 64] fp32, meaningful on and below the diagonal). The same pass stores the slices' gated rows
-    (``_gated_slice``), with ``kn e^G`` parked in ``Wb`` until T is known.
+    ``qk`` ([64, 64] fp32, meaningful on and below the diagonal), and the rows' sums of squares of k and q ([64]
+    each). The same pass stores the slices' gated rows (``_gated_slice``, with row factors rk and rq), with
+    ``kn e^G`` parked in ``Wb`` until T is known.
 
     Accumulated over K in BK-wide slices. Per row tile R the decay is split at a reference ``r_R``
     (``chunk_tiles.py``): row operand ``x_i e^(G_i - r_R)`` (rows of tile R only), column operand
@@ -74,6 +76,8 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
     tile = o_t // 16
     kk = tl.zeros((64, 64), dtype=tl.float32)
     qk = tl.zeros((64, 64), dtype=tl.float32)
+    sk = tl.zeros((64,), dtype=tl.float32)
+    sq = tl.zeros((64,), dtype=tl.float32)
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
@@ -81,6 +85,8 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
         c1, c2, c3, c4 = tile_ends(G)
         kt, qt, kg = _gated_slice(q, k, G, c4, Qgb, Kdb, gam, rk, rq, pk, mk, o_k, slot, K)
         tl.store(Wb + pk, kg.to(Wb.dtype.element_ty), mask=mk)
+        sk += tl.sum(kt * kt, 1)
+        sq += tl.sum(qt * qt, 1)
         diag, r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, FAST_DIAG)  # f: each row's own-tile factor
         kf = kt * f
         qf = qt * f
@@ -90,7 +96,7 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
         kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, diag, MMA)
         if not diag:
             kk, qk = diagonal_scores(kk, qk, kt, qt, G)
-    return kk, qk
+    return kk, qk, sk, sq
 
 
 @triton.jit
@@ -140,18 +146,21 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
         tok = ((bos + t0 + o_c) * H + i_h).to(tl.int64)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         p64, m64 = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
-        rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
-        if STORE_NORMS:  # for the backward's other kernels (chunk_tiles.load_row_norms)
-            tl.store(Nb + 2 * tok, rk, mask=m_r)
-            tl.store(Nb + 2 * tok + 1, rq, mask=m_r)
-        rq = rq * scale
+        if FORM_WU:  # W, U and the backward take the gated rows normalised, so the norms come first
+            rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
         if LOAD_T:  # the backward's recompute: T and A_qk come from the forward
             Tm = tl.load(Tb + p64, mask=m64, other=0.0).to(tl.float32)
         else:
-            kk, qk = _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk[:, None], rq[:, None], bos, t0, L, slot,
-                             i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
-            # A_qk = diag(rq) qk diag(rk), causal
-            Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * rq[:, None] * rk[None, :], 0.0)
+            if FORM_WU:
+                kk, qk, _, _ = _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk[:, None], rq[:, None] * scale,
+                                       bos, t0, L, slot, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
+            else:  # the rows stay raw (the scan applies their norms), so the same pass sums their squares
+                kk, qk, sk, sq = _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, 1.0, scale, bos, t0, L, slot,
+                                         i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
+                rk = inverse_norm(sk)
+                rq = inverse_norm(sq)
+            # A_qk = diag(rq) qk diag(rk) * scale, causal
+            Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * (rq * scale)[:, None] * rk[None, :], 0.0)
             tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
             Lm = tl.where(o_c[None, :] < o_c[:, None], kk * (b * rk)[:, None] * rk[None, :], 0.0)
             Tm = _unit_lower_inverse64(Lm, INV_PREC)
@@ -159,9 +168,12 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
                 tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
             if FORM_WU:
                 tl.debug_barrier()  # the scores pass's kn e^G in Wb, written by other threads, is read back below
+        if STORE_NORMS:  # for the backward's other kernels, or the scan (chunk_tiles.load_row_norms)
+            tl.store(Nb + 2 * tok, rk, mask=m_r)
+            tl.store(Nb + 2 * tok + 1, rq, mask=m_r)
         if FORM_WU:
-            _form_wu(q, k, v, g, dt_bias, a, lb, Wb, Ub, Qgb, Kdb, gam, Tm, b, rk, rq, bos, t0, L, slot, i_h, H, K, V,
-                     BK, BV, BOUNDED, MMA, LOAD_T)
+            _form_wu(q, k, v, g, dt_bias, a, lb, Wb, Ub, Qgb, Kdb, gam, Tm, b, rk, rq * scale, bos, t0, L, slot, i_h,
+                     H, K, V, BK, BV, BOUNDED, MMA, LOAD_T)
 
 
 @triton.jit
@@ -188,7 +200,7 @@ def _form_wu(q, k, v, g, dt_bias, a, lb, Wb, Ub, Qgb, Kdb, gam, Tm, b, rk, rq, b
 
 
 @triton.jit
-def _scan_kernel(Wb, Ub, Tb, beta, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu_seqlens, chunk_offsets, T,
+def _scan_kernel(Wb, Ub, Tb, beta, Nb, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu_seqlens, chunk_offsets, T,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                  STORE_H: tl.constexpr, STORE_D: tl.constexpr, WRITE_O: tl.constexpr, FORM_WU: tl.constexpr,
@@ -207,12 +219,15 @@ def _scan_kernel(Wb, Ub, Tb, beta, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu
         bw = tl.load(Wb + pk, mask=m_t, other=0.0).to(MMA)
         bkd = tl.load(Kdb + pk, mask=m_t, other=0.0).to(MMA)
         Sm = S.to(MMA)
-        if FORM_WU:  # Wb: W, Ub: U
+        if FORM_WU:  # Wb: W, Ub: U; the gated rows are normalised
+            rk = tl.full((BT,), 1.0, tl.float32)
+            rq = rk
             delta = tl.load(Ub + pv, mask=m_t, other=0.0).to(tl.float32) - tl.dot(bw, Sm)
-        else:  # Wb: kn e^G, Ub: v; delta = T diag(beta) (v - kn e^G S)
+        else:  # Wb: k e^G, Ub: v; raw rows with inverse norms rk, rq: delta = T diag(beta) (v - diag(rk) k e^G S)
+            rk, rq = load_row_norms(Nb, tok, o_t < L)
             bb = tl.sigmoid(tl.load(beta + tok, mask=o_t < L, other=0.0).to(tl.float32))
             aw = (tl.load(Tb + tok[:, None] * BT + o_c[None, :], mask=m_t, other=0.0).to(tl.float32) * bb[None, :])
-            x = tl.load(Ub + pv, mask=m_t, other=0.0).to(tl.float32) - tl.dot(bw, Sm)
+            x = tl.load(Ub + pv, mask=m_t, other=0.0).to(tl.float32) - tl.dot(bw, Sm) * rk[:, None]
             delta = tl.dot(aw.to(MMA), x.to(MMA))
         dm = delta.to(MMA)
         if STORE_D:
@@ -220,9 +235,9 @@ def _scan_kernel(Wb, Ub, Tb, beta, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf, cu
         if WRITE_O:
             bqg = tl.load(Qgb + pk, mask=m_t, other=0.0).to(MMA)
             baq = tl.load(Aqb + tok[:, None] * BT + o_c[None, :], mask=m_t, other=0.0).to(MMA)
-            tl.store(o + pv, tl.dot(baq, dm, tl.dot(bqg, Sm)).to(o.dtype.element_ty), mask=m_t)
+            tl.store(o + pv, tl.dot(baq, dm, tl.dot(bqg, Sm) * rq[:, None]).to(o.dtype.element_ty), mask=m_t)
         gm = tl.load(gam + (slot * H + i_h) * K + o_k)
-        S = tl.dot(tl.trans(bkd), dm, S * gm[:, None])
+        S = tl.dot(tl.trans(bkd), (delta * rk[:, None]).to(MMA), S * gm[:, None])
     if STORE_HT:
         tl.store(ht + ps, S)
 
@@ -256,8 +271,9 @@ def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: i
 def forms_wu(NH: int, for_backward: bool) -> bool:
     """Whether the chunk kernel forms ``W`` and ``U`` for a forward over NH (sequence, head) pairs. The backward
     reads them, so its recompute always does. The output forward can instead leave ``delta = T diag(beta)
-    (v - kn e^G S)`` to the scan, which then reads T, beta, ``kn e^G`` and v: the chunk kernel skips two passes
-    over K and V (in bf16 a 2-byte read and write per channel of each), the scan's step gains a dependent product.
+    (v - kn e^G S)`` to the scan, which then reads T, beta, ``k e^G``, v and the rows' norms: the chunk kernel skips
+    two passes over K and V (in bf16 a 2-byte read and write per channel of each) and its norm pass over q and k (it
+    stores the gated rows raw), the scan's step gains a dependent product.
     That pays when many scans share the GPU, not when a few are its critical path (``CONFIG["factored_min_pairs"]``).
     """
     return for_backward or NH < CONFIG["factored_min_pairs"]
@@ -318,14 +334,14 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
         Tm = torch.empty_like(Aqk) if keep_scores or for_backward or not form_wu else None
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
-    norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if for_backward else None
+    norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if for_backward or not form_wu else None
     BOUNDED = gate_lower_bound is not None
     lb = float(gate_lower_bound) if BOUNDED else 0.0
     _chunk_kernel[(NS, H)](
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=for_backward, FORM_WU=form_wu,
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=norms is not None, FORM_WU=form_wu,
         num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
         maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
@@ -337,7 +353,7 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dbuf = torch.empty_like(U) if for_backward else None
     BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"], stores_states=for_backward)
     _scan_kernel[(triton.cdiv(V, BVs), N * H)](
-        W, U, Tm, beta, Qg, Kd, Aqk, gam, o if o is not None else U, initial_state, ht, hbuf, dbuf, cu_seqlens,
+        W, U, Tm, beta, norms, Qg, Kd, Aqk, gam, o if o is not None else U, initial_state, ht, hbuf, dbuf, cu_seqlens,
         chunk_offsets, T, H=H, K=K, V=V, BV=BVs, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
         STORE_HT=output_final_state, STORE_H=for_backward, STORE_D=for_backward, WRITE_O=not for_backward,
         FORM_WU=form_wu, MMA=MMA, num_warps=CONFIG["scan_warps"], num_stages=stages)

@@ -241,13 +241,20 @@ def inverse_row_norms(q, k, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, B
         sk += tl.sum(x * x, 1)
         x = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32)
         sq += tl.sum(x * x, 1)
-    return tl.rsqrt(sk + 1e-6), tl.rsqrt(sq + 1e-6)
+    return inverse_norm(sk), inverse_norm(sq)
+
+
+@triton.jit
+def inverse_norm(sum_of_squares):
+    """1 / ||x|| from a row's sum of squares, with the forward's eps (1e-6)."""
+    return tl.rsqrt(sum_of_squares + 1e-6)
 
 
 @triton.jit
 def load_row_norms(Nb, tok, m_r):
     """1 / ||k_i|| and 1 / ||q_i|| of one chunk's rows ([64] each; ``tok``: their token-head indices) as the
-    forward's chunk kernel stored them for the backward, which would otherwise recompute them in every kernel."""
+    forward's chunk kernel stored them for the backward (which would otherwise recompute them in every kernel) or for
+    the scan of a forward whose gated rows stay raw (``chunk_fwd.forms_wu``)."""
     return tl.load(Nb + 2 * tok, mask=m_r, other=0.0), tl.load(Nb + 2 * tok + 1, mask=m_r, other=0.0)
 
 
