@@ -15,7 +15,8 @@ cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk``
 
 ``_scan_kernel`` (one program per sequence, head and V tile) walks the chunks in order with the fp32
 state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k e^G S)``), ``o = Qg S + A_qk delta``,
-``S <- gamma * S + Kd^T delta`` (k and q normalised: raw rows take their norms here). For the backward it stores ``S`` per chunk (fp32 by default) and ``delta``.
+``S <- gamma * S + Kd^T delta`` (k and q normalised: raw rows take their norms here). For the backward it stores
+``S`` per chunk (fp32 by default) and ``delta``.
 """
 
 import torch
@@ -341,7 +342,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=norms is not None, FORM_WU=form_wu,
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=norms is not None,
+        FORM_WU=form_wu,
         num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
         maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
