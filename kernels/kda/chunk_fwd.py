@@ -4,7 +4,8 @@
 cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk`` (strictly causal) and
 ``A_qk`` (causal) over K in BK-wide slices, one M = 64 GEMM per 16-row tile (the decay factoring is in
 ``chunk_tiles.py``), inverts ``I + diag(beta) A_kk`` by 16x16 blocks, and writes, in the storage dtype
-(bf16 for bf16 inputs, else fp32; the gated rows are stored by the scores pass itself, so q, k and g are read once):
+(bf16 for bf16 inputs, else fp32; the gated rows are stored by the scores pass itself, so q, k and g are read once,
+plus a norm pass over q and k where the rows are stored normalised):
 
 * ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``, or
   ``k * exp(G)`` and ``T`` for the scan to apply (``forms_wu``; the gated rows then stay raw and the rows' inverse
