@@ -78,8 +78,9 @@ def test_the_last_token_of_every_chunk_enters_the_state_undecayed(lb):
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
-    """Under autograd the forward keeps A_qk and T for the backward, which then skips the gated scores and the
-    inverse; its gradients are those of a backward that recomputes everything (varlen, with states)."""
+    """Under autograd the forward keeps A_qk, T and the rows' inverse norms for the backward, which then skips the
+    gated scores, the inverse and the norm pass; its gradients are those of a backward that recomputes everything
+    (varlen, with states)."""
     from kda_moe.kernels.kda.chunk_bwd import chunk_kda_bwd
     from kda_moe.kernels.kda.chunk_fwd import chunk_kda_fwd
 
@@ -89,7 +90,7 @@ def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
     o, ht, scores = chunk_kda_fwd(*args, True, cu, keep_scores=True)
     plain_o, _, none = chunk_kda_fwd(*args, True, cu)
     assert none is None and torch.equal(o, plain_o)
-    assert [s.shape for s in scores] == [(1, 150, 2, 64)] * 2
+    assert [s.shape for s in scores] == [(1, 150, 2, 64)] * 2 + [(1, 150, 2, 2)]
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     kept = chunk_kda_bwd(*args, cu, do, dht, scores)
     recomputed = chunk_kda_bwd(*args, cu, do, dht)

@@ -42,12 +42,13 @@ def _chunk_fwd(
     A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float, output_final_state: bool,
     keep_scores: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, final state, A_qk, T); the last two are the chunk matrices the backward reuses (``keep_scores``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, final state, A_qk, T, norms); the last three are what the backward reuses (``keep_scores``): the chunk
+    matrices and the rows' inverse q / k norms."""
     o, ht, scores = chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state,
                                   output_final_state, cu_seqlens, keep_scores=keep_scores)
-    Aqk, Tm = scores if keep_scores else (_empty(q), _empty(q))
-    return o, (ht if ht is not None else _empty(q, torch.float32)), Aqk, Tm
+    Aqk, Tm, norms = scores if keep_scores else (_empty(q), _empty(q), _empty(q, torch.float32))
+    return o, (ht if ht is not None else _empty(q, torch.float32)), Aqk, Tm, norms
 
 
 kda_chunk_fwd_op = torch.library.custom_op("kda_moe::kda_chunk_fwd", _chunk_fwd, mutates_args=())
@@ -68,8 +69,9 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bo
         ht = _empty(q, torch.float32)
     if keep_scores:
         sd = storage_dtype(v)
-        return o, ht, q.new_empty((B, T, H, BT.value), dtype=sd), q.new_empty((B, T, H, BT.value), dtype=sd)
-    return o, ht, _empty(q), _empty(q)
+        return (o, ht, q.new_empty((B, T, H, BT.value), dtype=sd), q.new_empty((B, T, H, BT.value), dtype=sd),
+                q.new_empty((B, T, H, 2), dtype=torch.float32))
+    return o, ht, _empty(q), _empty(q), _empty(q, torch.float32)
 
 
 @torch.library.custom_op("kda_moe::kda_chunk_bwd", mutates_args=())
@@ -78,16 +80,18 @@ def kda_chunk_bwd_op(
     A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], gate_lower_bound: Optional[float], scale: float,
     do: torch.Tensor, dht: Optional[torch.Tensor], Aqk: Optional[torch.Tensor], Tm: Optional[torch.Tensor],
+    norms: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``kda_chunk_fwd``; ``Aqk``/``Tm``: its kept chunk matrices, or None to recompute them."""
-    scores = (Aqk, Tm) if Aqk is not None else None
+    """Gradients of ``kda_chunk_fwd``; ``Aqk``/``Tm``/``norms``: what it kept, or None to recompute them."""
+    scores = (Aqk, Tm, norms) if Aqk is not None else None
     dq, dk, dv, dg, db, dA, ddt, dh0 = chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale,
                                                     initial_state, cu_seqlens, do, dht, scores)
     return dq, dk, dv, dg, db, dA, ddt, (dh0 if dh0 is not None else _empty(q, torch.float32))
 
 
 @kda_chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, do, dht, Aqk, Tm):
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, do, dht, Aqk, Tm,
+      norms):
     dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else _empty(q, torch.float32)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
             beta.new_empty(beta.shape), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape), dh0)
@@ -96,22 +100,22 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bo
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound, scale, output_final_state, \
         keep_scores = inputs
-    Aqk, Tm = output[2:] if keep_scores else (None, None)
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm)
+    Aqk, Tm, norms = output[2:] if keep_scores else (None, None, None)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm, norms)
     ctx.gate_lower_bound = gate_lower_bound
     ctx.scale = scale
     ctx.output_final_state = output_final_state
 
 
-def _backward(ctx, do, dht, _dAqk, _dTm):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm = ctx.saved_tensors
+def _backward(ctx, do, dht, _dAqk, _dTm, _dnorms):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Tm, norms = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if not ctx.output_final_state:
         dht = None
     dq, dk, dv, dg, db, dA, ddt, dh0 = kda_chunk_bwd_op(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ctx.gate_lower_bound, ctx.scale,
-        do.contiguous(), dht.contiguous() if dht is not None else None, Aqk, Tm)
+        do.contiguous(), dht.contiguous() if dht is not None else None, Aqk, Tm, norms)
     return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None), None, None, None, None, None
 
 
@@ -134,10 +138,11 @@ def chunk_kda_triton(
     inputs = (q.contiguous(), k.contiguous(), v.contiguous(), g4.contiguous(), beta.contiguous(),
               A_log.contiguous(), dt_bias.contiguous(), h0)
     # the backward reuses the forward's chunk matrices (256 bytes per token and head) instead of recomputing them:
-    # forward + backward at 16x4096x16 (bf16, H200) 25.25 -> 23.44 ms, peak memory 9.04 -> 9.29 GiB
+    # forward + backward at 16x4096x16 (bf16, H200) 25.25 -> 23.44 ms, peak memory 9.04 -> 9.29 GiB; and the rows'
+    # inverse norms (8 bytes), so that its recompute skips a pass over q and k
     keep_scores = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    o, ht, _, _ = op_for_call(kda_chunk_fwd_op, _chunk_fwd)(*inputs, cu_seqlens, lb, scale, bool(output_final_state),
-                                                            keep_scores)
+    o, ht, *_ = op_for_call(kda_chunk_fwd_op, _chunk_fwd)(*inputs, cu_seqlens, lb, scale, bool(output_final_state),
+                                                       keep_scores)
     return o, (ht if output_final_state else None)
 
 

@@ -1,8 +1,8 @@
 """Chunked KDA backward: recompute, one reverse scan, three chunk-parallel kernels.
 
-1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers from the forward's ``A_qk`` and ``T``
-   (the gated scores and the inverse are not redone), the state ``h`` at every chunk start and ``delta = U - W h``,
-   and stores the rows' inverse L2 norms of q and k once for the kernels below.
+1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers from the forward's ``A_qk``, ``T`` and
+   the rows' inverse L2 norms of q and k (the gated scores, the inverse and the norms are not redone; the kernels
+   below load the norms too), the state ``h`` at every chunk start and ``delta = U - W h``.
 2. ``_scan_bwd_kernel`` walks the chunks backwards per (sequence, head, V tile) with the fp32 state
    gradient ``dS`` in registers. Per chunk it stores ``dS`` (the gradient at the chunk END, in the storage dtype) and
    ``ddelta = A_qk^T dO + Kd dS``, then steps ``dS <- gamma * dS + Qg^T dO - W^T ddelta``.
@@ -322,7 +322,7 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
 def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht,
                   scores=None):
     """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of ``chunk_kda_fwd``'s (o, ht); ``scores``: the
-    forward's ``(A_qk, T)`` (``keep_scores``), or None to recompute them.
+    forward's ``(A_qk, T, norms)`` (``keep_scores``), or None to recompute them.
 
     dq/dk/dg/dbeta/dv come back in the inputs' dtypes, dA_log/ddt_bias fp32, dh0 fp32 (or None)."""
     B, T, H, K = q.shape

@@ -148,12 +148,12 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
         tok = ((bos + t0 + o_c) * H + i_h).to(tl.int64)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         p64, m64 = chunk_offsets64(bos, t0, L, i_h, o_c, H, BT)
-        if FORM_WU:  # W, U and the backward take the gated rows normalised, so the norms come first
-            rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
-        if LOAD_T:  # the backward's recompute: T and A_qk come from the forward
+        if LOAD_T:  # the backward's recompute: T, A_qk and the rows' norms come from the forward
+            rk, rq = load_row_norms(Nb, tok, m_r)
             Tm = tl.load(Tb + p64, mask=m64, other=0.0).to(tl.float32)
         else:
-            if FORM_WU:
+            if FORM_WU:  # W and U take the gated rows normalised, so the norms come first
+                rk, rq = inverse_row_norms(q, k, bos, t0, L, i_h, H, K, BK)
                 kk, qk, _, _ = _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk[:, None], rq[:, None] * scale,
                                        bos, t0, L, slot, i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
             else:  # the rows stay raw (the scan applies their norms), so the same pass sums their squares
@@ -168,11 +168,11 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
             Tm = _unit_lower_inverse64(Lm, INV_PREC)
             if STORE_T:
                 tl.store(Tb + p64, Tm.to(Tb.dtype.element_ty), mask=m64)
+            if STORE_NORMS:  # for the backward, or the scan of raw rows (chunk_tiles.load_row_norms)
+                tl.store(Nb + 2 * tok, rk, mask=m_r)
+                tl.store(Nb + 2 * tok + 1, rq, mask=m_r)
             if FORM_WU:
                 tl.debug_barrier()  # the scores pass's kn e^G in Wb, written by other threads, is read back below
-        if STORE_NORMS:  # for the backward's other kernels, or the scan (chunk_tiles.load_row_norms)
-            tl.store(Nb + 2 * tok, rk, mask=m_r)
-            tl.store(Nb + 2 * tok + 1, rq, mask=m_r)
         if FORM_WU:
             _form_wu(q, k, v, g, dt_bias, a, lb, Wb, Ub, Qgb, Kdb, gam, Tm, b, rk, rq * scale, bos, t0, L, slot, i_h,
                      H, K, V, BK, BV, BOUNDED, MMA, LOAD_T)
@@ -306,13 +306,14 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     """Launch the forward. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (raw logits).
 
     Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None, scores). ``keep_scores``: scores are the chunk
-    matrices ``(A_qk, T)`` ([B, T, H, 64], storage dtype) for the backward, else None. With ``for_backward`` it skips
+    matrices and the rows' inverse norms ``(A_qk, T, norms)`` ([B, T, H, 64] in the storage dtype, [B, T, H, 2] fp32)
+    for the backward, else None. With ``for_backward`` it skips
     o and returns the buffers the backward needs instead, as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K];
     norms [B, T, H, 2] fp32 (1 / ||k||, 1 / ||q|| per token);
     gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start; fp32 with ``state_fp32``) and delta
     [B, T, H, V] (storage dtype), plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N. Given the
-    forward's ``scores`` it loads them instead of recomputing the gated scores and the inverse (most of the chunk
-    kernel's work)."""
+    forward's ``scores`` it loads them instead of recomputing the gated scores, the inverse and the norms (most of
+    the chunk kernel's work)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -331,20 +332,21 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     form_wu = forms_wu(N * H, for_backward)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd) if form_wu else v  # else the scan reads v itself
     if scores is not None:
-        Aqk, Tm = scores
+        Aqk, Tm, norms = scores
     else:
         Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
-        Tm = torch.empty_like(Aqk) if keep_scores or for_backward or not form_wu else None
+        kept = keep_scores or for_backward or not form_wu  # T and the norms: for the backward or for the scan
+        Tm = torch.empty_like(Aqk) if kept else None
+        norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if kept else None
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
-    norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if for_backward or not form_wu else None
     BOUNDED = gate_lower_bound is not None
     lb = float(gate_lower_bound) if BOUNDED else 0.0
     _chunk_kernel[(NS, H)](
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None, STORE_NORMS=norms is not None,
-        FORM_WU=form_wu,
+        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
+        STORE_NORMS=norms is not None and scores is None, FORM_WU=form_wu,
         num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
         maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
@@ -363,4 +365,4 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     if for_backward:
         return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, norms=norms, h=hbuf, delta=dbuf, ht=ht,
                     chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NS=NS, N=N)
-    return o, ht, ((Aqk, Tm) if keep_scores else None)
+    return o, ht, ((Aqk, Tm, norms) if keep_scores else None)
