@@ -248,7 +248,6 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
         pm, mm = chunk_offsets64(bos, t0, L, i_h, o_t, H, BT)
         dlm = tl.load(dLb + pm, mask=mm, other=0.0).to(MMA)  # stored as MMA (the wy kernel)
         dam = tl.load(dAqb + pm, mask=mm, other=0.0).to(MMA)
-        dl, da = dlm.to(tl.float32), dam.to(tl.float32)
         dlt, dat = tl.trans(dlm), tl.trans(dam)
 
         db = tl.zeros((BT,), dtype=tl.float32)
@@ -283,7 +282,7 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             rl = rl * f
             rqs = rqs * f
             if not diag:
-                xl, xq, xc = diagonal_grads(dl, da, kn, bk, qn, G)
+                xl, xq, xc = diagonal_grads(dLb, dAqb, k, Nb, tok, o_k, L - t0, bk, qn, G, H, K)
                 rl += xl
                 rqs += xq
                 C += xc
