@@ -162,7 +162,7 @@ def kernel_times(step, iterations=10):
 
 
 # launch knobs tried by tune(), one at a time from the defaults: (pipeline, knob, values)
-KNOBS = [("fwd", "chunk_stages", (1, 2)), ("bwd", "gate_stages", (1, 2)), ("bwd", "state_stages", (1, 2)),
+KNOBS = [("fwd", "chunk_stages", (2, 3, 4)), ("bwd", "gate_stages", (1, 2)), ("bwd", "state_stages", (1, 2)),
          ("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
          ("fwd", "scan_bv", (32, 64)), ("fwd", "scan_stages", (1, 2)), ("bwd", "scan_bv", (32, 64)),
          ("bwd", "state_warps", (4, 8)), ("bwd", "state_bv", (32, 64, 128)), ("bwd", "gate_bk", (16, 32)),

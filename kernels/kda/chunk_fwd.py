@@ -43,8 +43,13 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 # recompute_maxnreg: the backward's recompute (the chunk kernel loading T and A_qk) fits 128 registers without
 # spilling, so four programs share an SM instead of three: forward + backward 15.10 -> 15.00 ms at 16x4096x16,
 # 16.14 -> 16.05 ms at 4x16384x16 (H200, two interleaved rounds, stop 19; forward cap 128: 3.23 -> 4.72 ms).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=2, chunk_maxnreg=168, recompute_maxnreg=128, scan_warps=4,
-              scan_bv=None, scan_stages=1, inv_prec="ieee", state_fp32=True, factored_min_pairs=64, stop_after=None)
+# chunk_stages: the chunk kernel's K loops pipelined 4 deep, 2 where the diagonal blocks may take the safe path
+# (safe_chunk_stages); H200, bf16, two interleaved rounds (stop 20, stop20_ab.log): bounded forward 3.15 / 3.06 /
+# 3.00 ms at 2 / 3 / 4 stages (16x4096x16), 3.77 / 3.67 / 3.62 (4x16384x16); the softplus forward gains nothing from
+# deeper pipelining (7.94 ms at 2 stages, 8.05 at 3). factored_min_pairs 0 at 1x65536x16 (stop 20): forward 5.31 -> 5.35 ms, still a loss.
+CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=4, safe_chunk_stages=2, chunk_maxnreg=168,
+              recompute_maxnreg=128, scan_warps=4, scan_bv=None, scan_stages=1, inv_prec="ieee", state_fp32=True,
+              factored_min_pairs=64, stop_after=None)
 
 
 @triton.jit
@@ -347,7 +352,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
         BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
         STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
         STORE_NORMS=norms is not None and scores is None, FORM_WU=form_wu,
-        num_warps=CONFIG["chunk_warps"], num_stages=CONFIG["chunk_stages"],
+        num_warps=CONFIG["chunk_warps"],
+        num_stages=CONFIG["chunk_stages" if fast_diag(gate_lower_bound) else "safe_chunk_stages"],
         maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None, None
