@@ -27,33 +27,20 @@ from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch, storage_dtype
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_grads,
                           fast_diag, gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
 
-# Launch knobs, timed by benchmarks/kda.py on an H200 (2026-12-03, 16x4096x16, bf16).
+# Launch knobs, measured on an H200 (bf16, 16x4096x16; how and when: benchmarks/PERFORMANCE.md).
 # gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
-# tf32 otherwise), "tf32" or "tf32x3" (Triton's three tf32 products, about fp32). The gate gradient cancels the row
-# side of every pair term against its column side and dt_bias's gradient sums that over every token, so until stop 12
-# the sides' different roundings showed there (dt_bias off by 2.1e-2 with tf32, 2.5e-2 with bf16; target 1e-2).
-# Now both sides are formed from the same rounded operands (``_row_tile_grads``) and cancel exactly. Forward +
-# backward and the worst gate-side errors against the fp32 reference (fla 0.6.0 in the same harness: 15.32 ms, dg
-# 3.9e-3, dA_log 4.3e-3, ddt_bias 4.7e-3):
-#   "bf16" at 4 warps: 19.17 ms, dg 4.1e-3, dA_log 4.4e-3, ddt_bias 3.8e-3 (20.27 ms at 8 warps);
-#   "tf32" at 8 warps: 22.54 ms, dg 3.1e-3, dA_log 3.5e-3, ddt_bias 2.7e-3 (4 warps spill 1.2-2.6 KB);
-#   "tf32x3": 31.71 ms, dg 2.9e-3, dA_log 3.4e-3, ddt_bias 2.5e-3.
-# gate_warps None: 4 with bf16 operands, 8 with fp32. The state gradients run as two kernels: one program per K slice
-# for the products with the states (128 registers at 8 warps, no spill: two programs per SM; the single kernel they
-# replace needed 255 and ran one) and one per chunk for the WY part (128): forward + backward went from 23.44 to
-# 22.01 ms. The recompute stores the rows' inverse q/k norms once, so the state and gate kernels load them instead of
-# reducing q and k again: 19.20 -> 18.59 ms (stop 13, GPU module 12/12). The wy kernel stores dL and dA_qk in the gate
-# kernel's operand dtype (bf16 ones feed its wgmma from shared memory) and the dq / dk scratch is in the storage
-# dtype: 18.69 -> 18.38 -> 17.55 ms (stop 14, same run), worst bf16 error 4.1e-3 either way (4x4096x16, bounded).
-# The per-chunk state gradients in the storage dtype too (the states stay fp32, chunk_fwd.CONFIG): 17.45 -> 17.31 ms,
-# peak memory 9.05 -> 8.55 GiB, errors unchanged, GPU module 12/12. Stop 15, each against the defaults before it:
-# MMA-dtype pair-term operands skip the tf32 bit mask (a no-op on bf16 values; 5744 -> 5496 instructions, spills
-# 672 -> 592 B): 17.28 -> 17.00 ms; the state kernel's K slices launched next to each other (they read the same dO /
-# delta / ddelta tiles, now from L2): state kernel 3.94 -> 3.40 ms; state_bv 32 -> 128 (one V pass, 128 registers,
-# no spill): 16.46 -> 16.05 ms. Stop 16: gate_stages 2 (its loads pipelined; spill 592 -> 560 B, 37 KB of shared
-# memory) timed 15.86 -> 15.73 ms (16x4096x16) and 16.74 -> 16.59 ms (4x16384x16); the default since the GPU test
-# module passed with it (stop 17, 12/12; Triton 3.6 has miscompiled pipelining choices before: chunk_fwd.scan_launch).
-# stop_after ends the backward early (stage timing only).
+#   tf32 otherwise), "tf32" or "tf32x3" (three tf32 products, about fp32). Both sides of every pair term are formed
+#   from the same rounded operands (``_row_tile_grads``), so they cancel exactly in dg at any precision. Forward +
+#   backward and the worst gate-side errors against the fp32 reference, dg / dA_log / ddt_bias (stop 12): "bf16"
+#   19.17 ms, 4.1e-3 / 4.4e-3 / 3.8e-3; "tf32" 22.54 ms, 3.1e-3 / 3.5e-3 / 2.7e-3; "tf32x3" 31.71 ms, 2.9e-3 /
+#   3.4e-3 / 2.5e-3 (fla 0.6.0: 15.32 ms, 3.9e-3 / 4.3e-3 / 4.7e-3).
+# gate_warps None: 4 with bf16 operands (8: 20.27 against 19.17 ms), 8 with fp32 ones (4 warps spill 1.2-2.6 KB).
+#   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms). gate_bk 32 (16-wide: 16.82 against 16.46 ms).
+# state_*: the products with the per-chunk states, one program per chunk and K slice, at 8 warps and 128 registers
+#   without spilling (two programs per SM; one kernel doing the WY part too needed 255 and ran one: 23.44 -> 22.01 ms
+#   for the split), V in one 128-wide pass (16.46 -> 16.05 ms). wy_*: the WY part, one program per chunk.
+# scan_*: the reverse scan's V tile (None: ``chunk_fwd.scan_launch`` picks), warps and pipelining.
+# stop_after "recompute" / "scan" / "state": the backward ends after that stage (per-stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=2, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
               state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=2, gate_warps=None, gate_bk=32, gate_stages=2,
               gate_maxnreg=None, gate_prec="bf16", stop_after=None)

@@ -28,25 +28,24 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
                           fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
                           scan_start, tile_ends, tile_references, unit_lower_inverse)
 
-# Launch knobs: benchmarks/kda.py's picks on an H200 (2026-12-03, 16x4096x16, bf16). The chunk kernel capped at 168
-# registers (a few spilled) fits three programs per SM instead of two: 3.96 against 4.12 ms for the forward, and
-# software-pipelined K loops take it to 3.70 ms. Storing Qg, Kd and k e^G from the scores pass, so q, k and g are read
-# once: 3.70 -> 3.68 ms forward, 19.34 -> 18.67 ms forward + backward (same run, GPU module 12/12). state_fp32: the
-# per-chunk states the backward reads are stored fp32 even for bf16 inputs: with bf16 states (and state gradients),
-# varlen bf16 dk was off by 2.5e-2 against the fp32 reference (the GPU test's initial states are large); fp32 costs
-# 0.7 ms of 24.3 on forward + backward. Their gradients (chunk_bwd) are in the storage dtype. stop_after="chunk" ends
-# the forward after the chunk kernel (per-stage timing only).
-# factored_min_pairs: from this many (sequence, head) pairs up, the output forward leaves W and U to its scan
-# (``forms_wu``); H200, bounded gate, bf16 (stop 19): forward 3.62 -> 3.24 ms at 16x4096x16 (256 pairs), 4.02 -> 3.88
-# at 4x16384x16 (64), 11.59 -> 10.67 at 1x32768x96, but 5.31 -> 5.45 at 1x65536x16 (16 pairs: the scan is the
-# critical path there, and the product it takes over lengthens every step).
-# recompute_maxnreg: the backward's recompute (the chunk kernel loading T and A_qk) fits 128 registers without
-# spilling, so four programs share an SM instead of three: forward + backward 15.10 -> 15.00 ms at 16x4096x16,
-# 16.14 -> 16.05 ms at 4x16384x16 (H200, two interleaved rounds, stop 19; forward cap 128: 3.23 -> 4.72 ms).
-# chunk_stages: the chunk kernel's K loops pipelined 4 deep, 2 where the diagonal blocks may take the safe path
-# (safe_chunk_stages); H200, bf16, two interleaved rounds (stop 20, stop20_ab.log): bounded forward 3.15 / 3.06 /
-# 3.00 ms at 2 / 3 / 4 stages (16x4096x16), 3.77 / 3.67 / 3.62 (4x16384x16); the softplus forward gains nothing from
-# deeper pipelining (7.94 ms at 2 stages, 8.05 at 3). factored_min_pairs 0 at 1x65536x16 (stop 20): forward 5.31 -> 5.35 ms, still a loss.
+# Launch knobs, measured on an H200 (bf16, 16x4096x16 unless said; how and when: benchmarks/PERFORMANCE.md).
+# chunk_warps, chunk_bk: 4 warps over 32-wide K slices (16-wide: forward 4.36 against 3.70 ms; 64-wide: 3.29 against
+#   3.17 ms; 8 warps at 128 registers: 4.70 against 3.17 ms).
+# chunk_maxnreg 168: three chunk-kernel programs per SM instead of two, a few registers spilling (forward 3.96 against
+#   4.12 ms uncapped; capped at 128: 4.72 against 3.23 ms). recompute_maxnreg 128: the backward's recompute (T, A_qk and the norms loaded)
+#   fits it without spilling, four programs per SM (forward + backward 15.10 -> 15.00 ms).
+# chunk_stages 4: the K loops software-pipelined (bounded forward 3.15 / 3.06 / 3.00 ms at 2 / 3 / 4 stages);
+#   safe_chunk_stages 2 where the diagonal blocks may take the safe path, which deeper pipelining slows (softplus
+#   forward 7.94 ms at 2 stages, 8.05 at 3).
+# scan_warps, scan_bv, scan_stages: the output scan's warps, V tile (None: ``scan_launch`` picks) and pipelining
+#   (8 warps or 32-wide tiles: 4.05 against 3.23 ms; 2 stages: 3.30 against 3.17 ms).
+# inv_prec "ieee": the 16x16 inverse's products in fp32; tf32 there gains nothing (chunk kernel 2.06 ms either way).
+# state_fp32: the per-chunk states the backward reads stay fp32 for bf16 inputs; in bf16, varlen dk was off by 2.5e-2
+#   against the fp32 reference (large initial states). It costs 0.7 of 24.3 ms forward + backward.
+# factored_min_pairs 64: from this many (sequence, head) pairs up the output forward leaves W and U to its scan
+#   (``forms_wu``): forward 3.62 -> 3.24 ms at 256 pairs, 11.59 -> 10.67 ms at 1x32768x96, but 5.31 -> 5.45 ms at
+#   1x65536x16, 16 pairs whose scans are the critical path (5.31 -> 5.35 ms still, after the scan took the raw rows).
+# stop_after "chunk": the forward ends after the chunk kernel (per-stage timing only).
 CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=4, safe_chunk_stages=2, chunk_maxnreg=168,
               recompute_maxnreg=128, scan_warps=4, scan_bv=None, scan_stages=1, inv_prec="ieee", state_fp32=True,
               factored_min_pairs=64, stop_after=None)
