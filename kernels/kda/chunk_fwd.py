@@ -32,8 +32,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 # chunk_warps, chunk_bk: 4 warps over 32-wide K slices (16-wide: forward 4.36 against 3.70 ms; 64-wide: 3.29 against
 #   3.17 ms; 8 warps at 128 registers: 4.70 against 3.17 ms).
 # chunk_maxnreg 168: three chunk-kernel programs per SM instead of two, a few registers spilling (forward 3.96 against
-#   4.12 ms uncapped; capped at 128: 4.72 against 3.23 ms). recompute_maxnreg 128: the backward's recompute (T, A_qk and the norms loaded)
-#   fits it without spilling, four programs per SM (forward + backward 15.10 -> 15.00 ms).
+#   4.12 ms uncapped; capped at 128: 4.72 against 3.23 ms). recompute_maxnreg 128: the backward's recompute (T, A_qk
+#   and the norms loaded) fits it without spilling, four programs per SM (forward + backward 15.10 -> 15.00 ms).
 # chunk_stages 4: the K loops software-pipelined (bounded forward 3.15 / 3.06 / 3.00 ms at 2 / 3 / 4 stages);
 #   safe_chunk_stages 2 where the diagonal blocks may take the safe path, which deeper pipelining slows (softplus
 #   forward 7.94 ms at 2 stages, 8.05 at 3).
@@ -311,9 +311,8 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
 
     Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None, scores). ``keep_scores``: scores are the chunk
     matrices and the rows' inverse norms ``(A_qk, T, norms)`` ([B, T, H, 64] in the storage dtype, [B, T, H, 2] fp32)
-    for the backward, else None. With ``for_backward`` it skips
-    o and returns the buffers the backward needs instead, as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K];
-    norms [B, T, H, 2] fp32 (1 / ||k||, 1 / ||q|| per token);
+    for the backward, else None. With ``for_backward`` it skips o and returns the buffers the backward needs instead,
+    as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K]; norms [B, T, H, 2] fp32 (1 / ||k||, 1 / ||q|| per token);
     gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start; fp32 with ``state_fp32``) and delta
     [B, T, H, V] (storage dtype), plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N. Given the
     forward's ``scores`` it loads them instead of recomputing the gated scores, the inverse and the norms (most of
