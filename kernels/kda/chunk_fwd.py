@@ -344,14 +344,15 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
     BOUNDED = gate_lower_bound is not None
     lb = float(gate_lower_bound) if BOUNDED else 0.0
+    FAST_DIAG = fast_diag(gate_lower_bound)
     _chunk_kernel[(NS, H)](
         q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
         H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
-        BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=MMA, INV_PREC=CONFIG["inv_prec"],
+        BOUNDED=BOUNDED, FAST_DIAG=FAST_DIAG, MMA=MMA, INV_PREC=CONFIG["inv_prec"],
         STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
         STORE_NORMS=norms is not None and scores is None, FORM_WU=form_wu,
         num_warps=CONFIG["chunk_warps"],
-        num_stages=CONFIG["chunk_stages" if fast_diag(gate_lower_bound) else "safe_chunk_stages"],
+        num_stages=CONFIG["chunk_stages" if FAST_DIAG else "safe_chunk_stages"],
         maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
     if CONFIG["stop_after"] == "chunk":
         return None, None, None

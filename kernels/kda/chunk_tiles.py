@@ -142,12 +142,6 @@ def _tile_row(x, sel):
 
 
 @triton.jit
-def _tile_row_tokens(tok, jj, H: tl.constexpr):
-    """Token-head indices ([64]) of row ``16 * tile(i) + jj`` for every row i, from the rows' own ``tok``."""
-    return tok + (jj - tl.arange(0, 64) % 16) * H
-
-
-@triton.jit
 def diagonal_scores(kk, qk, kt, qt, G):
     """Add the four diagonal [16, 16] blocks of kk and qk ([64, 64]) for an unbounded gate: one column of every
     block at a time, with the pairwise decay e^(G_i - G_j) <= 1 formed directly (the safe path)."""
@@ -180,11 +174,11 @@ def diagonal_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexp
     for jj in range(16):
         sel = (pos == jj)[:, None]
         e = tl.exp(tl.where((pos >= jj)[:, None], G - _tile_row(G, sel), float("-inf")))
-        pd = tok * 64 + (o_t - pos + jj)  # column 16 * tile(i) + jj of row i
-        pl = tl.load(dLb + pd, mask=m_r, other=0.0).to(tl.float32)[:, None]
-        pq = tl.load(dAqb + pd, mask=m_r, other=0.0).to(tl.float32)[:, None]
-        tj = _tile_row_tokens(tok, jj, H)
-        mj = o_t - pos + jj < n_rows
+        j = o_t - pos + jj  # column 16 * tile(i) + jj of row i
+        pl = tl.load(dLb + tok * 64 + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
+        pq = tl.load(dAqb + tok * 64 + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
+        tj = tok + (j - o_t) * H  # row j's token-head index
+        mj = j < n_rows
         kj = tl.load(k + tj[:, None] * K + o_k[None, :], mask=mj[:, None], other=0.0).to(tl.float32) * \
             tl.load(Nb + 2 * tj, mask=mj, other=0.0)[:, None]
         rl += pl * e * kj
