@@ -162,32 +162,37 @@ def test_chunk_kda_fp16_inputs_and_flat_gate_without_state():
 
 
 def _diagonal_paths(x, lb, BK=32):
-    """How many (chunk, head, K slice) of ``x`` have every 16-token tile decaying by at most DIAG_SPAN (their
-    diagonal blocks go through the GEMMs), and how many do not (the safe path): (gemm, safe)."""
+    """How the (chunk, head, K slice)s of ``x`` sum their diagonal blocks: (gemm, quarters, columns) = how many have
+    every 16-token tile decaying by at most DIAG_SPAN (in the row tiles' GEMMs), how many of the rest have every
+    quarter tile's four rows within it (quarter-tile GEMMs), and how many take the column-by-column safe path."""
     from kda_moe.kernels.kda.chunk_tiles import DIAG_SPAN
 
-    G = kda_gate(x["g"].double(), x["A_log"], x["dt_bias"], lb)  # [B, T, H, K]
+    G = kda_gate(x["g"].double(), x["A_log"], x["dt_bias"], lb)  # [B, T, H, K], each token's log decay
     B, T, H, K = G.shape
-    spans = -G.unflatten(1, (T // 16, 16)).sum(2)  # [B, tiles, H, K]
-    worst = spans.unflatten(1, (T // 64, 4)).amax(2).unflatten(-1, (K // BK, BK)).amax(-1)  # [B, chunks, H, slices]
-    gemm = int((worst <= DIAG_SPAN.value).sum())
-    return gemm, worst.numel() - gemm
+
+    def worst(spans, per_chunk):  # [B, units, H, K] -> the largest per (B, chunk, H, K slice)
+        return spans.unflatten(1, (T // 64, per_chunk)).amax(2).unflatten(-1, (K // BK, BK)).amax(-1)
+
+    tiles = worst(-G.unflatten(1, (T // 16, 16)).sum(2), 4) <= DIAG_SPAN.value
+    quarters = worst(-G.unflatten(1, (T // 4, 4))[:, :, 1:].sum(2), 16) <= DIAG_SPAN.value  # first row to last
+    return int(tiles.sum()), int((quarters & ~tiles).sum()), int((~quarters).sum())
 
 
-@pytest.mark.parametrize("lb", [-20.0, None], ids=["bounded-beyond-safe-range", "softplus"])
+@pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
 def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, monkeypatch):
     """Without a guarantee from the gate bound, each chunk's K slice checks its tiles' decay: mild ones keep the
-    diagonal blocks in the GEMMs, steep ones sum them column by column. A mix of both matches the reference in
-    outputs and gradients, and differs (in rounding) from the safe path everywhere; taking the GEMMs everywhere
-    instead overflows on the steep slice."""
+    diagonal blocks in the row tiles' GEMMs, steeper ones take them as quarter-tile GEMMs, the steepest sum them
+    column by column. A mix of all three matches the reference in outputs and gradients, and differs (in rounding)
+    from the column path everywhere; taking the row tiles' GEMMs everywhere instead overflows on the steep slices."""
     from kda_moe.kernels.kda import chunk_tiles
 
     x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
     x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
-    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.18) per tile
-    x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 (e^-20) per token
-    gemm, safe = _diagonal_paths(x, lb)
-    assert gemm > 0 and safe > 0, (gemm, safe)
+    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.4) per tile
+    x["g"][0, 128:, 0, :32] = 5.0 if lb is None else 0.0  # head 0's first K slice of chunk 2: e^-10 (e^-20) per token
+    x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 per token
+    gemm, quarters, columns = _diagonal_paths(x, lb)
+    assert gemm > 0 and quarters > 0 and columns > 0, (gemm, quarters, columns)
     o, ht, grads = kda_forward_backward(x, lb, None, True)
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5

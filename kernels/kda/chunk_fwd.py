@@ -101,7 +101,7 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
         kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r2, 2, tile, diag, MMA)
         kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, diag, MMA)
         if not diag:
-            kk, qk = diagonal_scores(kk, qk, kt, qt, G)
+            kk, qk = diagonal_scores(kk, qk, kt, qt, G, MMA)
     return kk, qk, sk, sq
 
 

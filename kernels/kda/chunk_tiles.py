@@ -14,8 +14,9 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
   tile; for any other gate (softplus, or bounded beyond that) the kernels check it per chunk and K slice
   (``tile_references``);
 * otherwise ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns before the tile, and
-  the diagonal block is summed one column at a time with the pairwise decay (the safe path the bounded gate
-  exists to avoid).
+  the diagonal block is summed apart (``diagonal_scores``): by quarter tiles, each split at its own mid decay, as
+  GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's four rows, else one column at a time
+  with the pairwise decay (the safe path the bounded gate exists to avoid).
 """
 
 import triton
@@ -142,9 +143,48 @@ def _tile_row(x, sel):
 
 
 @triton.jit
-def diagonal_scores(kk, qk, kt, qt, G):
-    """Add the four diagonal [16, 16] blocks of kk and qk ([64, 64]) for an unbounded gate: one column of every
-    block at a time, with the pairwise decay e^(G_i - G_j) <= 1 formed directly (the safe path)."""
+def diagonal_scores(kk, qk, kt, qt, G, MMA: tl.constexpr):
+    """Add the four diagonal [16, 16] blocks of kk and qk ([64, 64]) where their tiles decay too far for one
+    reference each: by quarter tiles as GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's
+    four rows, else one column at a time (the safe path)."""
+    if _subtile_span(G, 4) <= DIAG_SPAN:
+        kk, qk = _subtile_scores(kk, qk, kt, qt, G, 4, MMA)
+    else:
+        kk, qk = _column_scores(kk, qk, kt, qt, G)
+    return kk, qk
+
+
+@triton.jit
+def _subtile_span(G, S: tl.constexpr):
+    """The largest decay (-log) of any channel from the first to the last row of any S-row sub-tile (a scalar)."""
+    X = tl.reshape(G, (64 // S, S, G.shape[1]))
+    pos = tl.arange(0, S)[None, :, None]
+    return tl.max(tl.sum(tl.where(pos == 0, X, tl.where(pos == S - 1, -X, 0.0)), 1))
+
+
+@triton.jit
+def _subtile_scores(kk, qk, kt, qt, G, S: tl.constexpr, MMA: tl.constexpr):
+    """The diagonal blocks by S-row sub-tiles: for sub-tile s of every tile, the columns of that sub-tile times the
+    rows from it on, split at the sub-tile's mid decay ``rho`` (both factors within e^(DIAG_SPAN / 2) when
+    ``_subtile_span`` is) as one M = 64 GEMM, of which the block-diagonal part is kept (the other blocks mix the
+    tiles' references)."""
+    o_t = tl.arange(0, 64)
+    pos = o_t % 16
+    block = (o_t // 16)[:, None] == (o_t // 16)[None, :]
+    for s in range(0, 16, S):
+        rho = 0.5 * _tile_sum(tl.where(((pos == s) | (pos == s + S - 1))[:, None], G, 0.0))
+        rows = tl.exp(tl.where((pos >= s)[:, None], G - rho, float("-inf")))
+        col = kt * tl.exp(tl.where(((pos >= s) & (pos < s + S))[:, None], rho - G, float("-inf")))
+        col = tl.trans(col.to(MMA))
+        kk += tl.where(block, tl.dot((kt * rows).to(MMA), col), 0.0)
+        qk += tl.where(block, tl.dot((qt * rows).to(MMA), col), 0.0)
+    return kk, qk
+
+
+@triton.jit
+def _column_scores(kk, qk, kt, qt, G):
+    """The diagonal blocks one column of every block at a time, with the pairwise decay e^(G_i - G_j) <= 1 formed
+    directly: no decay is too steep for it."""
     o_t = tl.arange(0, 64)
     pos = o_t % 16
     for jj in range(16):
@@ -158,12 +198,13 @@ def diagonal_scores(kk, qk, kt, qt, G):
 
 @triton.jit
 def diagonal_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr, K: tl.constexpr):
-    """The backward of ``diagonal_scores``: the diagonal blocks' row sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)``
+    """The backward of ``diagonal_scores`` (of the exact pairwise decays, whichever way the forward summed them): the
+    diagonal blocks' row sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)``
     (``rq`` with dA_qk) and column sums ``C_j = sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile.
     dL_ij, dA_ij (from dLb, dAqb, [tokens, 64] in the operand dtype) and kn_j (k times its row's inverse norm in Nb)
     are loaded again per column, L1 hits, rather than gathered from registers across the threads (``tok``: the rows'
     token-head indices, ``o_k`` the slice's channels, the first ``n_rows`` rows in the sequence). That takes the
-    softplus forward + backward at 16x4096x16 from 47.0 to 29.5 ms (H200); ``diagonal_scores`` keeps its gathers,
+    softplus forward + backward at 16x4096x16 from 47.0 to 29.5 ms (H200); ``_column_scores`` keeps its gathers,
     since loading there made the forward slower (7.9 -> 8.5 ms)."""
     o_t = tl.arange(0, 64)
     pos = o_t % 16
