@@ -36,7 +36,7 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 #   and the norms loaded) fits it without spilling, four programs per SM (forward + backward 15.10 -> 15.00 ms).
 # chunk_stages 4: the K loops software-pipelined (bounded forward 3.15 / 3.06 / 3.00 ms at 2 / 3 / 4 stages);
 #   safe_chunk_stages 2 where the diagonal blocks may take the safe path, which deeper pipelining slows (softplus
-#   forward 7.94 ms at 2 stages, 8.05 at 3).
+#   forward 6.63 ms at 2 stages, 7.19 at 3, 6.94 at 4).
 # scan_warps, scan_bv, scan_stages: the output scan's warps, V tile (None: ``scan_launch`` picks) and pipelining
 #   (8 warps or 32-wide tiles: 4.05 against 3.23 ms; 2 stages: 3.30 against 3.17 ms).
 # inv_prec "ieee": the 16x16 inverse's products in fp32; tf32 there gains nothing (chunk kernel 2.06 ms either way).
