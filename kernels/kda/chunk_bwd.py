@@ -35,7 +35,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 #   19.17 ms, 4.1e-3 / 4.4e-3 / 3.8e-3; "tf32" 22.54 ms, 3.1e-3 / 3.5e-3 / 2.7e-3; "tf32x3" 31.71 ms, 2.9e-3 /
 #   3.4e-3 / 2.5e-3 (fla 0.6.0: 15.32 ms, 3.9e-3 / 4.3e-3 / 4.7e-3).
 # gate_warps None: 4 with bf16 operands (8: 20.27 against 19.17 ms), 8 with fp32 ones (4 warps spill 1.2-2.6 KB).
-#   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms; 3: softplus 27.2 -> 28.3 ms). gate_bk 32 (16-wide: 16.82 against 16.46 ms).
+#   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms; 3: softplus 27.2 -> 28.3 ms). gate_bk 32 (16-wide: 16.82
+#   against 16.46 ms).
 # state_*: the products with the per-chunk states, one program per chunk and K slice, at 8 warps and 128 registers
 #   without spilling (two programs per SM; one kernel doing the WY part too needed 255 and ran one: 23.44 -> 22.01 ms
 #   for the split), V in one 128-wide pass (16.46 -> 16.05 ms). wy_*: the WY part, one program per chunk, its loads
