@@ -7,14 +7,14 @@ backward, AdamW), a long prefill and batched decoding through ``generate()``; to
 
 The anchor's config (822M parameters: 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1 shared, bf16) is built
 as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``), so both sides hold
-the same weights. Before timing, the run compares fp32 logits on one short prompt: ours against transformers', and
-ours against our own PyTorch backend (which separates kernel precision from a difference in the model). The cases and
-their timing (median of a few calls after warm-up calls) are the anchor script's. Writes OUTDIR/model_bench.md and
-OUTDIR/model_bench.json after every case (a run cut short keeps what it measured), prints a line with the seconds
-since the start as each side of a case begins and ends, and prints the table last. ``profile`` replaces the timed
-cases by a torch.profiler table of one training step at the first training shape per side (the kernels sorted by
-their own time), written to OUTDIR/model_profile_{theirs,ours}.txt: where a training step's time goes. ``cases=``
-keeps only the listed kinds of case.
+the same weights. Before timing, the run compares fp32 logits on one short prompt: ours against transformers', and ours
+against our own PyTorch backend (which separates kernel precision from a difference in the model). The cases and their
+timing (median of a few calls after warm-up calls) are the anchor script's. Writes OUTDIR/model_bench.md and
+OUTDIR/model_bench.json after each side of every case (a run cut short keeps what it measured), prints a line with the
+seconds since the start as each side of a case begins and ends, and prints the table last. ``profile`` replaces the
+timed cases by a torch.profiler table of one training step at the first training shape per side (the kernels sorted by
+their own time), written to OUTDIR/model_profile_{theirs,ours}.txt: where a training step's time goes. ``cases=`` keeps
+only the listed kinds of case.
 """
 
 import json
@@ -210,6 +210,7 @@ def main(out, profile=False, kinds=None):
         if kinds and case not in kinds:
             continue
         row = dict(case=case, shape=list(shape))
+        res["rows"].append(row)
         for side, model in models.items():
             log(f"{case} {shape} {side}: start")
             try:
@@ -219,8 +220,7 @@ def main(out, profile=False, kinds=None):
             log(f"{case} {shape} {side}: {row[side]}")
             if dev == "cuda":
                 torch.cuda.empty_cache()
-        res["rows"].append(row)
-        write_tables(res, out)  # after every case: a call cut short still leaves its table
+            write_tables(res, out)  # after every side of every case: a call cut short still leaves its table
     print(write_tables(res, out))
 
 

@@ -152,6 +152,25 @@ def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, tiny_mode
     assert "| train_step 1x32 |" in table and "| generate 2x8x3 |" in table
 
 
+def test_model_benchmark_cut_short_keeps_the_sides_it_measured(tmp_path, tiny_model_benchmark, monkeypatch):
+    """A run stopped during our side of the first case (a call's time limit) has already written transformers' side
+    of that case to the table."""
+    run_case = tiny_model_benchmark.run_case
+
+    def stopped_at_ours(model, case, shape, vocab):
+        if isinstance(model, tiny_model_benchmark.KdaMoeForCausalLM):
+            raise KeyboardInterrupt  # not an Exception: the case loop does not catch it, as it cannot catch a kill
+        return run_case(model, case, shape, vocab)
+
+    monkeypatch.setattr(tiny_model_benchmark, "run_case", stopped_at_ours)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_model_benchmark.main(str(tmp_path))
+
+    (row,) = json.loads((tmp_path / "model_bench.json").read_text())["rows"]
+    assert row["case"] == "train_step" and row["theirs"]["tok_s"] > 0 and "ours" not in row
+    assert "| train_step 1x32 |" in (tmp_path / "model_bench.md").read_text()
+
+
 def test_model_benchmark_profile_writes_each_sides_training_step_profile(tmp_path, tiny_model_benchmark):
     """``profile``: a profiler table of one training step per side (on CPU its ops; their matmuls appear), and no
     timed cases."""
