@@ -199,13 +199,12 @@ def _column_scores(kk, qk, kt, qt, G):
 @triton.jit
 def diagonal_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr, K: tl.constexpr):
     """The backward of ``diagonal_scores`` (of the exact pairwise decays, whichever way the forward summed them): the
-    diagonal blocks' row sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)``
-    (``rq`` with dA_qk) and column sums ``C_j = sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile.
-    dL_ij, dA_ij (from dLb, dAqb, [tokens, 64] in the operand dtype) and kn_j (k times its row's inverse norm in Nb)
-    are loaded again per column, L1 hits, rather than gathered from registers across the threads (``tok``: the rows'
-    token-head indices, ``o_k`` the slice's channels, the first ``n_rows`` rows in the sequence). That takes the
-    softplus forward + backward at 16x4096x16 from 47.0 to 29.5 ms (H200); ``_column_scores`` keeps its gathers,
-    since loading there made the forward slower (7.9 -> 8.5 ms)."""
+    diagonal blocks' row sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)`` (``rq`` with dA_qk) and column sums ``C_j =
+    sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile. dL_ij, dA_ij (from dLb, dAqb, [tokens, 64] in the
+    operand dtype) and kn_j (k times its row's inverse norm in Nb) are loaded again per column, L1 hits, rather than
+    gathered from registers across the threads (``tok``: the rows' token-head indices, ``o_k`` the slice's channels, the
+    first ``n_rows`` rows in the sequence). That takes the softplus forward + backward at 16x4096x16 from 47.0 to 29.5
+    ms (H200); ``_column_scores`` keeps its gathers, since loading there made the forward slower (7.9 -> 8.5 ms)."""
     o_t = tl.arange(0, 64)
     pos = o_t % 16
     rl = tl.zeros_like(bk)
