@@ -13,14 +13,13 @@ the fastest (the defaults in the kernel modules are the knobs picked so on an H2
 ``shapes=`` keeps only the listed shapes (B x T x H); ``nodecode`` skips the decode table.
 
 Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json after every row (a run cut short keeps what it
-measured); prints the table last. At the first shape it also gives fla's gradient errors beside ours.
-Inputs are bf16, H heads of K = V = 128, gate / l2norm / beta sigmoid inside the kernels on every
-side (fla: ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel``).
-TFLOP/s uses the nominal chunked-algorithm count (per token and head: 4*64*K for A_kk/A_qk,
-2*64*(K+V) for W/U, 2*64*(K+V) for A_qk W / A_qk U, 6*K*V for the state pass; backward = 2x);
-GB/s uses the fewest bytes (inputs read once, outputs written once).
-Peak GiB: the most CUDA memory allocated during one forward + backward, the inputs included.
-"""
+measured); prints the table last. At every shape with no more tokens x heads than the first (the default list's 16-head
+shapes) it also gives fla's gradient errors beside ours. Inputs are bf16, H heads of K = V = 128, gate / l2norm / beta
+sigmoid inside the kernels on every side (fla: ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``,
+``use_beta_sigmoid_in_kernel``). TFLOP/s uses the nominal chunked-algorithm count (per token and head: 4*64*K for
+A_kk/A_qk, 2*64*(K+V) for W/U, 2*64*(K+V) for A_qk W / A_qk U, 6*K*V for the state pass; backward = 2x); GB/s uses the
+fewest bytes (inputs read once, outputs written once). Peak GiB: the most CUDA memory allocated during one forward +
+backward, the inputs included. """
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Plot benchmarks/kda.py results: fla's time over ours per shape (forward, forward + backward) against the targets,
+r"""Plot benchmarks/kda.py results: fla's time over ours per shape (forward, forward + backward) against the targets,
 and the decode step's time per batch size against the copy-bandwidth floor.
 
     python benchmarks/plot.py OUT.png RESULT.json [RESULT.json ...]
@@ -8,7 +8,8 @@ and column, so a run that timed only our kernels can be plotted against the fla 
 same session; the figure's footnote names the file each plotted number came from. The README's figure:
 
     python benchmarks/plot.py benchmarks/results/h200-2026-12-04/kda_h200.png \
-        benchmarks/results/h200-2026-12-03/run_E_decode.json benchmarks/results/h200-2026-12-04/run_{K,K96}.json
+        benchmarks/results/h200-2026-12-03/run_E_decode.json \
+        benchmarks/results/h200-2026-12-04/run_{K,K96,N,O16,O96,O}.json
 """
 
 import json
