@@ -19,7 +19,8 @@ sigmoid inside the kernels on every side (fla: ``use_gate_in_kernel``, ``use_qk_
 ``use_beta_sigmoid_in_kernel``). TFLOP/s uses the nominal chunked-algorithm count (per token and head: 4*64*K for
 A_kk/A_qk, 2*64*(K+V) for W/U, 2*64*(K+V) for A_qk W / A_qk U, 6*K*V for the state pass; backward = 2x); GB/s uses the
 fewest bytes (inputs read once, outputs written once). Peak GiB: the most CUDA memory allocated during one forward +
-backward, the inputs included. """
+backward, the inputs included.
+"""
 
 import json
 import os
