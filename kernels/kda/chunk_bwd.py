@@ -272,11 +272,8 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             rl = rl * f
             rqs = rqs * f
             if not diag:
-                xl, xq, xc = diagonal_grads(dLb, dAqb, k, Nb, tok, o_k, L - t0, bk, qn, G, H, K)
-                rl += xl
-                rqs += xq
-                C += xc
-                dG += kn * (b[:, None] * xl - xc) + qn * xq
+                rl, rqs, C, dG = diagonal_grads(rl, rqs, C, dG, dLb, dAqb, pm, mm, k, Nb, tok, o_k, L - t0, kn, bk, qn,
+                                                G, H, K, MMA, PREC)
             # totals: the score terms plus the direct terms the state kernel left in scratch
             dkn = b[:, None] * rl + C + tl.load(dkn_s + pk, mask=mk, other=0.0).to(tl.float32)
             dqn = rqs + tl.load(dqn_s + pk, mask=mk, other=0.0).to(tl.float32)

@@ -165,20 +165,28 @@ def _subtile_span(G, S: tl.constexpr):
 @triton.jit
 def _subtile_scores(kk, qk, kt, qt, G, S: tl.constexpr, MMA: tl.constexpr):
     """The diagonal blocks by S-row sub-tiles: for sub-tile s of every tile, the columns of that sub-tile times the
-    rows from it on, split at the sub-tile's mid decay ``rho`` (both factors within e^(DIAG_SPAN / 2) when
-    ``_subtile_span`` is) as one M = 64 GEMM, of which the block-diagonal part is kept (the other blocks mix the
-    tiles' references)."""
+    rows from it on, split at the sub-tile's mid decay (``_subtile_factors``), as one M = 64 GEMM of which the
+    block-diagonal part is kept (the other blocks mix the tiles' references)."""
     o_t = tl.arange(0, 64)
-    pos = o_t % 16
     block = (o_t // 16)[:, None] == (o_t // 16)[None, :]
     for s in range(0, 16, S):
-        rho = 0.5 * _tile_sum(tl.where(((pos == s) | (pos == s + S - 1))[:, None], G, 0.0))
-        rows = tl.exp(tl.where((pos >= s)[:, None], G - rho, float("-inf")))
-        col = kt * tl.exp(tl.where(((pos >= s) & (pos < s + S))[:, None], rho - G, float("-inf")))
-        col = tl.trans(col.to(MMA))
+        rows, cols = _subtile_factors(G, s, S)
+        col = tl.trans((kt * cols).to(MMA))
         kk += tl.where(block, tl.dot((kt * rows).to(MMA), col), 0.0)
         qk += tl.where(block, tl.dot((qt * rows).to(MMA), col), 0.0)
     return kk, qk
+
+
+@triton.jit
+def _subtile_factors(G, s, S: tl.constexpr):
+    """Sub-tile s of every tile (rows s .. s + S - 1) split at its mid decay ``rho``: the row factors
+    ``e^(G_i - rho)`` of the rows from it on and the column factors ``e^(rho - G_j)`` of its own rows, 0 elsewhere
+    ([64, BK] each; both within e^(DIAG_SPAN / 2) on the sub-tile when ``_subtile_span`` is)."""
+    pos = tl.arange(0, 64) % 16
+    rho = 0.5 * _tile_sum(tl.where(((pos == s) | (pos == s + S - 1))[:, None], G, 0.0))
+    rows = tl.exp(tl.where((pos >= s)[:, None], G - rho, float("-inf")))
+    cols = tl.exp(tl.where(((pos >= s) & (pos < s + S))[:, None], rho - G, float("-inf")))
+    return rows, cols
 
 
 @triton.jit
@@ -197,14 +205,61 @@ def _column_scores(kk, qk, kt, qt, G):
 
 
 @triton.jit
-def diagonal_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr, K: tl.constexpr):
-    """The backward of ``diagonal_scores`` (of the exact pairwise decays, whichever way the forward summed them): the
-    diagonal blocks' row sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)`` (``rq`` with dA_qk) and column sums ``C_j =
-    sum_i (dL_ij bk_i + dA_ij qn_i) e^(G_i - G_j)``, j in i's tile. dL_ij, dA_ij (from dLb, dAqb, [tokens, 64] in the
-    operand dtype) and kn_j (k times its row's inverse norm in Nb) are loaded again per column, L1 hits, rather than
-    gathered from registers across the threads (``tok``: the rows' token-head indices, ``o_k`` the slice's channels, the
-    first ``n_rows`` rows in the sequence). That takes the softplus forward + backward at 16x4096x16 from 47.0 to 29.5
-    ms (H200); ``_column_scores`` keeps its gathers, since loading there made the forward slower (7.9 -> 8.5 ms)."""
+def diagonal_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, k, Nb, tok, o_k, n_rows, kn, bk, qn, G, H: tl.constexpr,
+                   K: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
+    """The backward of ``diagonal_scores`` where the row tiles' GEMMs leave the diagonal blocks out: the blocks' row
+    sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)`` (``rq`` with dA_qk), column sums ``C_j = sum_i (dL_ij bk_i +
+    dA_ij qn_i) e^(G_i - G_j)`` (j in i's tile) and their decay gradient ``bk rl + qn rq - kn C``, added to the
+    accumulators rl, rq, C and dG ([64, BK] each). Like the forward, by quarter tiles as GEMMs when no channel decays
+    by more than ``DIAG_SPAN`` across any quarter's four rows (``_subtile_grads``), else one column at a time
+    (``_column_grads``). dL and dA_qk are read from dLb / dAqb ([tokens, 64] in the operand dtype, ``pm`` / ``mm``
+    their chunk's offsets and row mask)."""
+    if _subtile_span(G, 4) <= DIAG_SPAN:
+        rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, 4, MMA, PREC)
+    else:
+        xl, xq, xc = _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H, K)
+        rl += xl
+        rq += xq
+        C += xc
+        dG += bk * xl + qn * xq - kn * xc
+    return rl, rq, C, dG
+
+
+@triton.jit
+def _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, S: tl.constexpr, MMA: tl.constexpr,
+                   PREC: tl.constexpr):
+    """``diagonal_grads`` by S-row sub-tiles, the backward of ``_subtile_scores`` (``_subtile_factors`` split each);
+    dL and dA_qk are loaded with their off-diagonal blocks zeroed (the GEMMs would mix the tiles' references).
+    Operands are rounded as the MMA reads them (``as_mma_reads``), so the row side ``pb_i dL_ij kc_j`` of a pair and
+    its column side cancel exactly in the decay gradient, as in ``_row_tile_grads``."""
+    o_t = tl.arange(0, 64)
+    block = (o_t // 16)[:, None] == (o_t // 16)[None, :]
+    dl = tl.load(dLb + pm, mask=mm & block, other=0.0).to(MMA)
+    da = tl.load(dAqb + pm, mask=mm & block, other=0.0).to(MMA)
+    dlt, dat = tl.trans(dl), tl.trans(da)
+    for s in range(0, 16, S):
+        f, cf = _subtile_factors(G, s, S)
+        kc = as_mma_reads(kn * cf, MMA, PREC)
+        pb = as_mma_reads(bk * f, MMA, PREC)
+        pq = as_mma_reads(qn * f, MMA, PREC)
+        col = kc.to(MMA)
+        xl = tl.dot(dl, col, input_precision=PREC)
+        xq = tl.dot(da, col, input_precision=PREC)
+        xc = tl.dot(dlt, pb.to(MMA), tl.dot(dat, pq.to(MMA), input_precision=PREC), input_precision=PREC)
+        rl += f * xl
+        rq += f * xq
+        C += cf * xc
+        dG += pb * xl + pq * xq - kc * xc
+    return rl, rq, C, dG
+
+
+@triton.jit
+def _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr, K: tl.constexpr):
+    """``diagonal_grads`` one column of every block at a time, with the pairwise decay formed directly. dL_ij, dA_ij
+    and kn_j (k times its row's inverse norm in Nb) are loaded again per column, L1 hits, rather than gathered from
+    registers across the threads (``tok``: the rows' token-head indices, ``o_k`` the slice's channels, the first
+    ``n_rows`` rows in the sequence). That took the softplus forward + backward at 16x4096x16 from 47.0 to 29.5 ms
+    (H200); ``_column_scores`` keeps its gathers, since loading there made the forward slower (7.9 -> 8.5 ms)."""
     o_t = tl.arange(0, 64)
     pos = o_t % 16
     rl = tl.zeros_like(bk)
