@@ -178,21 +178,24 @@ def _diagonal_paths(x, lb, BK=32):
     return int(tiles.sum()), int((quarters & ~tiles).sum()), int((~quarters).sum())
 
 
+@pytest.mark.parametrize("safe_gate_bk", [32, 16])
 @pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
-def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, monkeypatch):
+def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, safe_gate_bk,
+                                                                                              monkeypatch):
     """Without a guarantee from the gate bound, each chunk's K slice checks its tiles' decay: mild ones keep the
     diagonal blocks in the row tiles' GEMMs, steeper ones take them as quarter-tile GEMMs, the steepest sum them
     column by column. A mix of all three matches the reference in outputs and gradients, and differs (in rounding)
     from the column path everywhere; taking the row tiles' GEMMs everywhere instead overflows on the steep slices."""
-    from kda_moe.kernels.kda import chunk_tiles
+    from kda_moe.kernels.kda import chunk_bwd, chunk_tiles
 
     x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
     x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
     x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.4) per tile
     x["g"][0, 128:, 0, :32] = 5.0 if lb is None else 0.0  # head 0's first K slice of chunk 2: e^-10 (e^-20) per token
     x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 per token
-    gemm, quarters, columns = _diagonal_paths(x, lb)
-    assert gemm > 0 and quarters > 0 and columns > 0, (gemm, quarters, columns)
+    monkeypatch.setitem(chunk_bwd.CONFIG, "safe_gate_bk", safe_gate_bk)
+    paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, safe_gate_bk)}  # the forward's K slices, the gate kernel's
+    assert all(min(counts) > 0 for counts in paths.values()), paths
     o, ht, grads = kda_forward_backward(x, lb, None, True)
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5

@@ -34,9 +34,12 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 #   backward and the worst gate-side errors against the fp32 reference, dg / dA_log / ddt_bias (stop 12): "bf16"
 #   19.17 ms, 4.1e-3 / 4.4e-3 / 3.8e-3; "tf32" 22.54 ms, 3.1e-3 / 3.5e-3 / 2.7e-3; "tf32x3" 31.71 ms, 2.9e-3 /
 #   3.4e-3 / 2.5e-3 (fla 0.6.0: 15.32 ms, 3.9e-3 / 4.3e-3 / 4.7e-3).
-# gate_warps None: 4 with bf16 operands (8: 20.27 against 19.17 ms), 8 with fp32 ones (4 warps spill 1.2-2.6 KB).
-#   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms; 3: softplus 27.2 -> 28.3 ms). gate_bk 32 (16-wide: 16.82
-#   against 16.46 ms).
+# gate_warps None: 4 with bf16 operands (8: 14.13 -> 16.13 ms, and an illegal memory access with the softplus gate's
+#   quarter tiles under triton 3.6, not investigated), 8 with fp32 ones (4 warps spill 1.2-2.6 KB).
+#   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms; 3: softplus 27.2 -> 28.3 ms). gate_bk 32: 32-wide K
+#   slices where the gate's bound keeps every tile within DIAG_SPAN (16-wide: 14.13 -> 14.51 ms). safe_gate_bk, where
+#   the kernel checks each slice's decay: 16 measured faster (softplus 25.67 -> 22.11 ms, at 4x16384x16 26.57 ->
+#   23.00; spills 1456 -> 424 B) but has not yet run the GPU test module, so it stays 32.
 # state_*: the products with the per-chunk states, one program per chunk and K slice, at 8 warps and 128 registers
 #   without spilling (two programs per SM; one kernel doing the WY part too needed 255 and ran one: 23.44 -> 22.01 ms
 #   for the split), V in one 128-wide pass (16.46 -> 16.05 ms). wy_*: the WY part, one program per chunk, its loads
@@ -45,8 +48,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 #   wy_stages 3: 14.24 -> 14.16 ms, at 4x16384x16 15.28 -> 15.01 ms).
 # stop_after "recompute" / "scan" / "state": the backward ends after that stage (per-stage timing only).
 CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=3, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
-              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=3, gate_warps=None, gate_bk=32, gate_stages=2,
-              gate_maxnreg=None, gate_prec="bf16", stop_after=None)
+              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=3, gate_warps=None, gate_bk=32, safe_gate_bk=32,
+              gate_stages=2, gate_maxnreg=None, gate_prec="bf16", stop_after=None)
 
 
 @triton.jit
@@ -373,11 +376,12 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dbeta = torch.empty_like(beta)
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
+    fast = fast_diag(gate_lower_bound)
     _gate_grads_kernel[(NS, H)](
         q, k, g, beta, A_log, dt_bias, fb["norms"], dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta,
-        dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, BK=min(K, CONFIG["gate_bk"]),
-        IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, FAST_DIAG=fast_diag(gate_lower_bound), MMA=gate_mma,
-        PREC="tf32" if gate_prec == "bf16" else gate_prec,
+        dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K,
+        BK=min(K, CONFIG["gate_bk" if fast else "safe_gate_bk"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, FAST_DIAG=fast,
+        MMA=gate_mma, PREC="tf32" if gate_prec == "bf16" else gate_prec,
         num_warps=CONFIG["gate_warps"] or (8 if gate_mma == tl.float32 else 4), num_stages=CONFIG["gate_stages"],
         maxnreg=CONFIG["gate_maxnreg"])
     dA_log = dA_part.sum(0).to(A_log.dtype)
