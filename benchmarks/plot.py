@@ -9,7 +9,7 @@ same session; the figure's footnote names the file each plotted number came from
 
     python benchmarks/plot.py benchmarks/results/h200-2026-12-04/kda_h200.png \
         benchmarks/results/h200-2026-12-03/run_E_decode.json \
-        benchmarks/results/h200-2026-12-04/run_{K,K96,N,O16,O96,O}.json
+        benchmarks/results/h200-2026-12-04/run_{K,K96,N,O16,O96,O,P}.json
 """
 
 import json

@@ -34,11 +34,11 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 #   backward and the worst gate-side errors against the fp32 reference, dg / dA_log / ddt_bias (stop 12): "bf16"
 #   19.17 ms, 4.1e-3 / 4.4e-3 / 3.8e-3; "tf32" 22.54 ms, 3.1e-3 / 3.5e-3 / 2.7e-3; "tf32x3" 31.71 ms, 2.9e-3 /
 #   3.4e-3 / 2.5e-3 (fla 0.6.0: 15.32 ms, 3.9e-3 / 4.3e-3 / 4.7e-3).
-# gate_warps None: 4 with bf16 operands (8: 14.13 -> 16.13 ms, and an illegal memory access with the softplus gate's
+# gate_warps None: 4 with bf16 operands (8: 14.16 -> 16.14 ms, and an illegal memory access with the softplus gate's
 #   quarter tiles under triton 3.6, not investigated), 8 with fp32 ones (4 warps spill 1.2-2.6 KB).
 #   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms; 3: softplus 27.2 -> 28.3 ms). gate_bk 32: 32-wide K
-#   slices where the gate's bound keeps every tile within DIAG_SPAN (16-wide: 14.13 -> 14.51 ms). safe_gate_bk, where
-#   the kernel checks each slice's decay: 16 measured faster (softplus 25.67 -> 22.11 ms, at 4x16384x16 26.57 ->
+#   slices where the gate's bound keeps every tile within DIAG_SPAN (16-wide: 14.16 -> 14.55 ms). safe_gate_bk, where
+#   the kernel checks each slice's decay: 16 measured faster (softplus 25.67 -> 22.19 ms, at 4x16384x16 26.57 ->
 #   23.00; spills 1456 -> 424 B) but has not yet run the GPU test module, so it stays 32.
 # state_*: the products with the per-chunk states, one program per chunk and K slice, at 8 warps and 128 registers
 #   without spilling (two programs per SM; one kernel doing the WY part too needed 255 and ran one: 23.44 -> 22.01 ms
