@@ -376,12 +376,12 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     dbeta = torch.empty_like(beta)
     dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
-    fast = fast_diag(gate_lower_bound)
+    FAST_DIAG = fast_diag(gate_lower_bound)
     _gate_grads_kernel[(NS, H)](
         q, k, g, beta, A_log, dt_bias, fb["norms"], dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta,
         dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K,
-        BK=min(K, CONFIG["gate_bk" if fast else "safe_gate_bk"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, FAST_DIAG=fast,
-        MMA=gate_mma, PREC="tf32" if gate_prec == "bf16" else gate_prec,
+        BK=min(K, CONFIG["gate_bk" if FAST_DIAG else "safe_gate_bk"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED,
+        FAST_DIAG=FAST_DIAG, MMA=gate_mma, PREC="tf32" if gate_prec == "bf16" else gate_prec,
         num_warps=CONFIG["gate_warps"] or (8 if gate_mma == tl.float32 else 4), num_stages=CONFIG["gate_stages"],
         maxnreg=CONFIG["gate_maxnreg"])
     dA_log = dA_part.sum(0).to(A_log.dtype)

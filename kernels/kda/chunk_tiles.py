@@ -25,6 +25,7 @@ import triton.language as tl
 BT = tl.constexpr(64)  # chunk length (a constexpr so kernels can read it; host code uses BT.value)
 SAFE_LOWER_BOUND = 5.9  # |gate_lower_bound| up to which the diagonal tiles are dense GEMMs
 DIAG_SPAN = tl.constexpr(16 * SAFE_LOWER_BOUND)  # the largest decay (-log) across a tile whose diagonal is a GEMM
+SUBTILE = tl.constexpr(4)  # rows of the quarter tiles the diagonal blocks fall back to where a tile decays too far
 
 
 def fast_diag(gate_lower_bound) -> bool:
@@ -147,8 +148,8 @@ def diagonal_scores(kk, qk, kt, qt, G, MMA: tl.constexpr):
     """Add the four diagonal [16, 16] blocks of kk and qk ([64, 64]) where their tiles decay too far for one
     reference each: by quarter tiles as GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's
     four rows, else one column at a time (the safe path)."""
-    if _subtile_span(G, 4) <= DIAG_SPAN:
-        kk, qk = _subtile_scores(kk, qk, kt, qt, G, 4, MMA)
+    if _subtile_span(G, SUBTILE) <= DIAG_SPAN:
+        kk, qk = _subtile_scores(kk, qk, kt, qt, G, SUBTILE, MMA)
     else:
         kk, qk = _column_scores(kk, qk, kt, qt, G)
     return kk, qk
@@ -167,14 +168,20 @@ def _subtile_scores(kk, qk, kt, qt, G, S: tl.constexpr, MMA: tl.constexpr):
     """The diagonal blocks by S-row sub-tiles: for sub-tile s of every tile, the columns of that sub-tile times the
     rows from it on, split at the sub-tile's mid decay (``_subtile_factors``), as one M = 64 GEMM of which the
     block-diagonal part is kept (the other blocks mix the tiles' references)."""
-    o_t = tl.arange(0, 64)
-    block = (o_t // 16)[:, None] == (o_t // 16)[None, :]
+    block = _diagonal_blocks()
     for s in range(0, 16, S):
         rows, cols = _subtile_factors(G, s, S)
         col = tl.trans((kt * cols).to(MMA))
         kk += tl.where(block, tl.dot((kt * rows).to(MMA), col), 0.0)
         qk += tl.where(block, tl.dot((qt * rows).to(MMA), col), 0.0)
     return kk, qk
+
+
+@triton.jit
+def _diagonal_blocks():
+    """[64, 64] mask of the four diagonal [16, 16] blocks: the pairs of rows in one tile."""
+    tile = tl.arange(0, 64) // 16
+    return tile[:, None] == tile[None, :]
 
 
 @triton.jit
@@ -214,8 +221,8 @@ def diagonal_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, k, Nb, tok, o_k, n_rows, kn
     by more than ``DIAG_SPAN`` across any quarter's four rows (``_subtile_grads``), else one column at a time
     (``_column_grads``). dL and dA_qk are read from dLb / dAqb ([tokens, 64] in the operand dtype, ``pm`` / ``mm``
     their chunk's offsets and row mask)."""
-    if _subtile_span(G, 4) <= DIAG_SPAN:
-        rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, 4, MMA, PREC)
+    if _subtile_span(G, SUBTILE) <= DIAG_SPAN:
+        rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, SUBTILE, MMA, PREC)
     else:
         xl, xq, xc = _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H, K)
         rl += xl
@@ -232,8 +239,7 @@ def _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, S: tl.conste
     dL and dA_qk are loaded with their off-diagonal blocks zeroed (the GEMMs would mix the tiles' references).
     Operands are rounded as the MMA reads them (``as_mma_reads``), so the row side ``pb_i dL_ij kc_j`` of a pair and
     its column side cancel exactly in the decay gradient, as in ``_row_tile_grads``."""
-    o_t = tl.arange(0, 64)
-    block = (o_t // 16)[:, None] == (o_t // 16)[None, :]
+    block = _diagonal_blocks()
     dl = tl.load(dLb + pm, mask=mm & block, other=0.0).to(MMA)
     da = tl.load(dAqb + pm, mask=mm & block, other=0.0).to(MMA)
     dlt, dat = tl.trans(dl), tl.trans(da)
