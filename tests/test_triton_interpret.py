@@ -211,6 +211,22 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
     assert not torch.isfinite(o_gemm).all()
 
 
+def test_gate_gradients_where_only_the_pairs_i_eq_j_keep_any_decay():
+    """A pair of tokens i >= j moves the decay gradient by +P at i and -P at j; for i = j (A_qk's diagonal) that is
+    exactly nothing. Decaying by ~e^-480 per token, every other pair's decay is 0 in fp32 (the true gate gradients
+    ~1e-200), and the diagonal blocks take the column-by-column path: a rounding residual of the i = j terms there
+    is multiplied by G (~ -3e4 at the chunk's end) in the cumsum's backward. Summing those pairs into dG took the
+    gate gradients 1e24-1e27 times the reference's; kept out of it, they match."""
+    x = kda_inputs(1, 128, 2, 32, 16, torch.float32)
+    x["A_log"] = torch.log(torch.tensor([16.0, 16.0]))
+    x["g"] = x["g"] + 30.0  # softplus ~30, times exp(A_log) = 16
+    o, ht, grads = kda_forward_backward(x, None, None, True)
+    ro, rht, rgrads = kda_forward_backward(x, None, None, False)
+    assert rel(o, ro) < 1e-5
+    for n in grads:
+        assert rel(grads[n], rgrads[n]) < 1e-4, (n, rel(grads[n], rgrads[n]))
+
+
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 def test_decode_step_updates_state_in_place_like_reference(lb):
     B, H, K, V = 3, 2, 32, 128  # V = 128: two of the kernel's 64-wide V tiles

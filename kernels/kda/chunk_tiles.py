@@ -225,9 +225,14 @@ def diagonal_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, k, Nb, tok, o_k, n_rows, kn
         rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, SUBTILE, MMA, PREC)
     else:
         xl, xq, xc = _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H, K)
+        # the pairs i = j (A_qk's diagonal; dL's is zero) move dG by nothing. Formed in two sums, their row and
+        # column sides would leave a rounding residual of the largest pair terms (decay 1), which the decay
+        # cumsum's backward multiplies by G (~ -1e3 in steep channels): they join rq and C only
+        o_t = tl.arange(0, 64)
+        d_ii = tl.load(dAqb + tok * 64 + o_t, mask=o_t < n_rows, other=0.0).to(tl.float32)[:, None]
         rl += xl
-        rq += xq
-        C += xc
+        rq += xq + d_ii * kn
+        C += xc + d_ii * qn
         dG += bk * xl + qn * xq - kn * xc
     return rl, rq, C, dG
 
@@ -274,7 +279,7 @@ def _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr
     m_r = o_t < n_rows
     for jj in range(16):
         sel = (pos == jj)[:, None]
-        e = tl.exp(tl.where((pos >= jj)[:, None], G - _tile_row(G, sel), float("-inf")))
+        e = tl.exp(tl.where((pos > jj)[:, None], G - _tile_row(G, sel), float("-inf")))
         j = o_t - pos + jj  # column 16 * tile(i) + jj of row i
         pl = tl.load(dLb + tok * 64 + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
         pq = tl.load(dAqb + tok * 64 + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
