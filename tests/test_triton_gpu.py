@@ -9,6 +9,8 @@ operands): rounding only q, k and v to tf32 moves the fp64 reference by 3.5e-4 (
 and the H200 measured 2.1e-3 on outputs with the bounded gate, hence 3e-3 and 5e-3. NaN/inf never pass.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -45,6 +47,26 @@ def test_chunk_kda_full_size_matches_reference(lb, dtype, form, monkeypatch):
     for n in gr:
         # A_log / dt_bias: sums over every token of terms that cancel (the score gradients of a chunk sum to zero
         # along G), so tf32 rounding shows more there (6.4e-3 measured with fp32 inputs); bf16 keeps 1e-2
+        tol = 1e-2 if n in ("A_log", "dt_bias") else tg
+        assert torch.isfinite(gr[n]).all() and rel(gr[n], rgr[n]) < tol, (n, rel(gr[n], rgr[n]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("decay", [5.0, 20.0], ids=["row-tiles", "quarter-tiles"])
+def test_gate_gradients_in_steep_channels_match_fp64(decay, dtype):
+    """The interpreter's ``test_gate_gradients_in_steep_channels`` at full width on the tensor cores: every channel
+    decays by about e^-decay per token, so the true gate gradients are small and the terms of decay 1 must stay out
+    of dG. The reference runs in fp64 (in fp32 it is itself off by 3e-4 and 5e1 relative on dt_bias). Under the
+    interpreter with every tf32 product emulated (1 x 128 x 2, K = 32), fp32 inputs came to at most 1.6e-3 at both
+    decays (A_log 7e1 at e^-20 before the decay-1 terms were kept out); same tolerances as the full-size test."""
+    x = kda_inputs(1, 1024, 4, 128, 128, dtype, device=dev)
+    x["A_log"] = torch.full((4,), math.log(2.0), device=dev)
+    x["g"] = (x["g"].float() * 0.1 + math.log(math.expm1(decay / 2))).to(dtype)  # 2 softplus(g) = decay, +-10%
+    o, ht, gr = kda_forward_backward(x, None, None, True)
+    ro, rht, rgr = kda_forward_backward(x, None, None, False, torch.float64)
+    to, tg = (5e-3, 1e-2) if dtype == torch.bfloat16 else (3e-3, 5e-3)
+    assert torch.isfinite(o).all() and rel(o, ro) < to
+    for n in gr:
         tol = 1e-2 if n in ("A_log", "dt_bias") else tg
         assert torch.isfinite(gr[n]).all() and rel(gr[n], rgr[n]) < tol, (n, rel(gr[n], rgr[n]))
 

@@ -135,8 +135,9 @@ def _state_grads_kernel(q, k, g, beta, A_log, dt_bias, do, Tb, Nb, hbuf, dhbuf, 
         tl.store(kgb + pk, kg.to(kgb.dtype.element_ty), mask=m_t)
         dkg = tl.dot(tl.trans(Aw), dW.to(MMA))
         last = (o_t == tl.minimum(t0 + BT, L) - 1)[:, None]  # the chunk's last row: where dG_end goes
-        dGend = tl.sum(dKd * kn * eK, 0) + dgam * tl.exp(Gend)
-        dG = dQg * qn * eG + dkg * kg - dKd * kn * eK + tl.where(last, dGend[None, :], 0.0)
+        # row j's key term moves dG by -X_j at j and +X_j at the end; the last row's (decay 1) moves it by nothing
+        X = tl.where(last, 0.0, dKd * kn * eK)
+        dG = dQg * qn * eG + dkg * kg - X + tl.where(last, (tl.sum(X, 0) + dgam * tl.exp(Gend))[None, :], 0.0)
         tl.store(dqn_s + pk, (dQg * eG).to(dqn_s.dtype.element_ty), mask=m_t)
         tl.store(dkn_s + pk, (dkg * eG + dKd * eK).to(dkn_s.dtype.element_ty), mask=m_t)
         tl.store(dG_s + pk, dG, mask=m_t)
@@ -194,9 +195,10 @@ def _row_tile_grads(rl, rq, C, E, dl, da, dlt, dat, kn, pb, pq, G, r, R: tl.cons
     ``C_j`` times ``e^(r - G_j)`` (for dk) and to ``E_j`` times ``kc_j`` (for dG).
 
     kc, pb and pq are rounded as the MMA reads them (``as_mma_reads``), so the row side ``pb_i dL_ij kc_j`` of a
-    pair and its column side ``kc_j dL_ij pb_i`` are the same fp32 number: they cancel exactly in the gate gradient,
-    whose chunk sum they leave unchanged, and tf32 / bf16 products cost no more than a perturbation of the inputs.
-    dl, da are dL and dA_qk as MMA operands, dlt, dat their transposes."""
+    pair and its column side ``kc_j dL_ij pb_i`` are products of the same numbers: the gate gradient is that of
+    slightly perturbed inputs, and the two sides cancel in its chunk sum up to the rounding of the sums they enter
+    (which is why A_qk's diagonal, the pairs of decay 1, stays out of them). dl, da are dL and dA_qk as MMA
+    operands (their pairs j < i), dlt, dat their transposes."""
     cf = column_factor(G, r, R, diag)
     kc = as_mma_reads(kn * cf, MMA, PREC)
     col = kc.to(MMA)
@@ -239,8 +241,10 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
         rk, rq = load_row_norms(Nb, tok, m_r)
         b = tl.sigmoid(tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32))
         pm, mm = chunk_offsets64(bos, t0, L, i_h, o_t, H, BT)
-        dlm = tl.load(dLb + pm, mask=mm, other=0.0).to(MMA)  # stored as MMA (the wy kernel)
-        dam = tl.load(dAqb + pm, mask=mm, other=0.0).to(MMA)
+        pairs = mm & (o_t[None, :] < o_t[:, None])  # j < i: the pairs whose decay moves dG
+        dlm = tl.load(dLb + pm, mask=pairs, other=0.0).to(MMA)  # stored as MMA (the wy kernel)
+        dam = tl.load(dAqb + pm, mask=pairs, other=0.0).to(MMA)
+        d_ii = tl.load(dAqb + tok * BT + o_t, mask=m_r, other=0.0).to(tl.float32)[:, None]  # A_qk's diagonal
         dlt, dat = tl.trans(dlm), tl.trans(dam)
 
         db = tl.zeros((BT,), dtype=tl.float32)
@@ -275,8 +279,13 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             rl = rl * f
             rqs = rqs * f
             if not diag:
-                rl, rqs, C, dG = diagonal_grads(rl, rqs, C, dG, dLb, dAqb, pm, mm, k, Nb, tok, o_k, L - t0, kn, bk, qn,
-                                                G, H, K, MMA, PREC)
+                rl, rqs, C, dG = diagonal_grads(rl, rqs, C, dG, dLb, dAqb, pm, pairs, k, Nb, tok, o_k, L - t0, kn, bk,
+                                                qn, G, H, K, MMA, PREC)
+            # the pairs i = j (decay 1, the largest pair terms in a steep channel) move dG by nothing. As a row and a
+            # column sum their two sides would round differently, and the decay cumsum's backward multiplies that
+            # residual by G (~ -1e3 in steep channels): they join dq and dk only
+            rqs += d_ii * kn
+            C += d_ii * qn
             # totals: the score terms plus the direct terms the state kernel left in scratch
             dkn = b[:, None] * rl + C + tl.load(dkn_s + pk, mask=mk, other=0.0).to(tl.float32)
             dqn = rqs + tl.load(dqn_s + pk, mask=mk, other=0.0).to(tl.float32)

@@ -212,41 +212,35 @@ def _column_scores(kk, qk, kt, qt, G):
 
 
 @triton.jit
-def diagonal_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, k, Nb, tok, o_k, n_rows, kn, bk, qn, G, H: tl.constexpr,
+def diagonal_grads(rl, rq, C, dG, dLb, dAqb, pm, pairs, k, Nb, tok, o_k, n_rows, kn, bk, qn, G, H: tl.constexpr,
                    K: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
     """The backward of ``diagonal_scores`` where the row tiles' GEMMs leave the diagonal blocks out: the blocks' row
     sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)`` (``rq`` with dA_qk), column sums ``C_j = sum_i (dL_ij bk_i +
-    dA_ij qn_i) e^(G_i - G_j)`` (j in i's tile) and their decay gradient ``bk rl + qn rq - kn C``, added to the
-    accumulators rl, rq, C and dG ([64, BK] each). Like the forward, by quarter tiles as GEMMs when no channel decays
-    by more than ``DIAG_SPAN`` across any quarter's four rows (``_subtile_grads``), else one column at a time
-    (``_column_grads``). dL and dA_qk are read from dLb / dAqb ([tokens, 64] in the operand dtype, ``pm`` / ``mm``
-    their chunk's offsets and row mask)."""
+    dA_ij qn_i) e^(G_i - G_j)`` (j < i in i's tile; the gate kernel adds the pairs i = j itself) and their decay
+    gradient ``bk rl + qn rq - kn C``, added to the accumulators rl, rq, C and dG ([64, BK] each). Like the forward,
+    by quarter tiles as GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's four rows
+    (``_subtile_grads``), else one column at a time (``_column_grads``). dL and dA_qk are read from dLb / dAqb
+    ([tokens, 64] in the operand dtype, ``pm`` their chunk's offsets, ``pairs`` the mask of its pairs j < i)."""
     if _subtile_span(G, SUBTILE) <= DIAG_SPAN:
-        rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, SUBTILE, MMA, PREC)
+        rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, pairs, kn, bk, qn, G, SUBTILE, MMA, PREC)
     else:
         xl, xq, xc = _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H, K)
-        # the pairs i = j (A_qk's diagonal; dL's is zero) move dG by nothing. Formed in two sums, their row and
-        # column sides would leave a rounding residual of the largest pair terms (decay 1), which the decay
-        # cumsum's backward multiplies by G (~ -1e3 in steep channels): they join rq and C only
-        o_t = tl.arange(0, 64)
-        d_ii = tl.load(dAqb + tok * 64 + o_t, mask=o_t < n_rows, other=0.0).to(tl.float32)[:, None]
         rl += xl
-        rq += xq + d_ii * kn
-        C += xc + d_ii * qn
+        rq += xq
+        C += xc
         dG += bk * xl + qn * xq - kn * xc
     return rl, rq, C, dG
 
 
 @triton.jit
-def _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, mm, kn, bk, qn, G, S: tl.constexpr, MMA: tl.constexpr,
+def _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, pairs, kn, bk, qn, G, S: tl.constexpr, MMA: tl.constexpr,
                    PREC: tl.constexpr):
     """``diagonal_grads`` by S-row sub-tiles, the backward of ``_subtile_scores`` (``_subtile_factors`` split each);
     dL and dA_qk are loaded with their off-diagonal blocks zeroed (the GEMMs would mix the tiles' references).
-    Operands are rounded as the MMA reads them (``as_mma_reads``), so the row side ``pb_i dL_ij kc_j`` of a pair and
-    its column side cancel exactly in the decay gradient, as in ``_row_tile_grads``."""
+    Operands are rounded as the MMA reads them (``as_mma_reads``), as in ``_row_tile_grads``."""
     block = _diagonal_blocks()
-    dl = tl.load(dLb + pm, mask=mm & block, other=0.0).to(MMA)
-    da = tl.load(dAqb + pm, mask=mm & block, other=0.0).to(MMA)
+    dl = tl.load(dLb + pm, mask=pairs & block, other=0.0).to(MMA)
+    da = tl.load(dAqb + pm, mask=pairs & block, other=0.0).to(MMA)
     dlt, dat = tl.trans(dl), tl.trans(da)
     for s in range(0, 16, S):
         f, cf = _subtile_factors(G, s, S)
