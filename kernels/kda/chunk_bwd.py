@@ -9,14 +9,16 @@
 3. ``_state_grads_kernel`` (per chunk, head and K slice) contracts the states over V: the direct
    gradients of q, k and G through ``Qg``, ``W`` and ``Kd`` (scratch: q's and k's in the storage dtype, G's in
    fp32; the gradient of ``G_end`` is added on the chunk's last row, where the reverse cumsum spreads it to every
-   row), and ``dW``.
+   row; the last key's own term, of decay 1, is left out of both sides), and ``dW``.
    ``_wy_grads_kernel`` (per chunk and head): ``dv = (T diag(beta))^T ddelta``, ``dA_qk = dO delta^T``,
    the WY gradient ``dL = -T^T dT T^T`` (``L = diag(beta) A_kk``) and beta's column-side gradient.
 4. ``_gate_grads_kernel`` (per chunk and head, over K in BK-wide slices) back-propagates ``dL`` and
    ``dA_qk`` through the gated scores with the forward's tile factors (``chunk_tiles.py``), then
    through the decay cumsum, the gate activation, the L2 norms and beta's sigmoid; it writes dq, dk,
    dg, dbeta and per-chunk partial sums of dA_log and ddt_bias. The row and column sides of every score
-   gradient's pair term are formed from the same MMA-rounded operands, so they cancel exactly in dg.
+   gradient's pair term are formed from the same MMA-rounded operands, and the pairs of decay 1 (A_qk's diagonal)
+   go to dq and dk only: in steep channels they are the largest terms, and a residual of their two sides would be
+   multiplied by G in the cumsum's backward.
 """
 
 import torch
@@ -30,7 +32,8 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
 # Launch knobs, measured on an H200 (bf16, 16x4096x16; how and when: benchmarks/PERFORMANCE.md).
 # gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
 #   tf32 otherwise), "tf32" or "tf32x3" (three tf32 products, about fp32). Both sides of every pair term are formed
-#   from the same rounded operands (``_row_tile_grads``), so they cancel exactly in dg at any precision. Forward +
+#   from the same rounded operands (``_row_tile_grads``), so their chunk sum in dg is that of perturbed inputs at any
+#   precision (until stop 12 it was not, and dg lost that precision: PERFORMANCE.md). Forward +
 #   backward and the worst gate-side errors against the fp32 reference, dg / dA_log / ddt_bias (stop 12): "bf16"
 #   19.17 ms, 4.1e-3 / 4.4e-3 / 3.8e-3; "tf32" 22.54 ms, 3.1e-3 / 3.5e-3 / 2.7e-3; "tf32x3" 31.71 ms, 2.9e-3 /
 #   3.4e-3 / 2.5e-3 (fla 0.6.0: 15.32 ms, 3.9e-3 / 4.3e-3 / 4.7e-3).
@@ -229,6 +232,9 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
                        dq, dk, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
                        BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk and head (step 4 of the module docstring): the score gradients dL / dA_qk through the gated scores,
+    one BK-wide K slice at a time, then the decay cumsum, the gate, beta's sigmoid and, once rho sums over all of K,
+    the L2 norms."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
     if ok:
