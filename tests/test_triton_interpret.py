@@ -1,8 +1,8 @@
 """The Triton kernels under the Triton interpreter (CPU, ``TRITON_INTERPRET=1``) against the torch reference.
 
-Tiny shapes, fp32 / fp16 inputs only: under the interpreter ``tl.dot`` on bf16 operands is wrong
-(SPEC.md); bf16 numerics are checked on the GPU (tests/test_triton_gpu.py). The reference runs in
-fp64, so fp32 kernels must agree to ~1e-5 relative.
+Tiny shapes. The reference runs in fp64, so fp32 kernels must agree to ~1e-5 relative. The interpreter's own bf16
+``tl.dot`` and arithmetic are wrong (SPEC.md); the bf16 tests repair them for their duration (``bf16_emulation.py``)
+and hold the bf16 path to the issue's targets, which tests/test_triton_gpu.py checks again on the GPU at full size.
 """
 
 import math
@@ -27,6 +27,7 @@ from kda_moe.kernels.kda.chunk_tiles import as_mma_reads  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
+from bf16_emulation import emulate_bf16  # noqa: E402
 from kda_testing import FORWARD_FORMS, kda_forward_backward, kda_inputs, rel, use_forward_form  # noqa: E402
 
 
@@ -102,29 +103,66 @@ def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
 @pytest.mark.parametrize("form", FORWARD_FORMS)
 @pytest.mark.parametrize("state_fp32", [True, False], ids=["fp32-states", "bf16-states"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
-def test_chunk_kda_bf16_buffers_with_fp32_products(varlen, state_fp32, form, monkeypatch):
-    """bf16 inputs take the bf16 path (bf16 chunk buffers, states as chunk_fwd.CONFIG says, casts) with the
-    tensor-core operands kept fp32, since the interpreter's bf16 ``tl.dot`` is wrong: every bf16-only load, store
-    and mask runs in CI."""
-    import triton.language as tl
+def test_chunk_kda_bf16_matches_reference(varlen, state_fp32, form, monkeypatch):
+    """bf16 inputs on the bf16 path as the GPU runs it (bf16 chunk buffers and tensor-core operands, states as
+    chunk_fwd.CONFIG says; ``emulate_bf16``), against the fp64 reference on the same bf16 inputs, within the issue's
+    targets: 5e-3 on outputs, 1e-2 on gradients. The kernels round W, U (or k e^G), Qg, Kd, A_qk, T and delta to bf16
+    (unit roundoff 2^-9 ~ 2e-3) and an output passes through several such roundings (measured here: outputs 3.9e-3,
+    final states 3.2e-3, gradients 4.4e-3 at most; the H200's full-size run: 4.1e-3 and 4.4e-3)."""
+    from kda_moe.kernels.kda import chunk_fwd
 
-    from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
-
-    monkeypatch.setattr(chunk_fwd, "mm_dtype", lambda x: tl.float32)
-    monkeypatch.setattr(chunk_bwd, "mm_dtype", lambda x: tl.float32)
+    emulate_bf16(monkeypatch)
     monkeypatch.setitem(chunk_fwd.CONFIG, "state_fp32", state_fp32)
     use_forward_form(monkeypatch, form)
     cu = torch.tensor([0, 1, 1, 100, 130]) if varlen else None
     x = kda_inputs(1 if varlen else 2, 130, 2, 32, 16, torch.bfloat16, N=4 if varlen else None)
     o, ht, grads = kda_forward_backward(x, -5.0, cu, True)
     ro, rht, rgrads = kda_forward_backward(x, -5.0, cu, False)
-    # the reference runs in fp64 on the same bf16 inputs; the kernels round W, U (or k e^G and v - k e^G S), Qg, Kd,
-    # A_qk, T, delta (and with bf16-states the chunk states) to bf16 (unit roundoff 2^-9 ~ 2e-3), and an output
-    # passes through about four such roundings, a gradient through about eight: 1e-2 and 2e-2 (measured at these
-    # shapes: 4e-3 to 1.2e-2).
-    assert o.dtype == torch.bfloat16 and rel(o, ro) < 1e-2 and rel(ht, rht) < 1e-2
+    assert o.dtype == torch.bfloat16 and rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     for n in grads:
-        assert torch.isfinite(grads[n]).all() and rel(grads[n], rgrads[n]) < 2e-2, (n, rel(grads[n], rgrads[n]))
+        assert torch.isfinite(grads[n]).all() and rel(grads[n], rgrads[n]) < 1e-2, (n, rel(grads[n], rgrads[n]))
+
+
+@pytest.mark.parametrize("decay", [None, 20.0, 40.0], ids=["kda-inputs-gates", "e^-20", "e^-40"])
+def test_chunk_kda_bf16_softplus_gate_matches_reference(decay, monkeypatch):
+    """The unbounded gate on the bf16 path (``emulate_bf16``), at kda_inputs' gates and where every channel decays by
+    about e^-decay per token (quarter tiles at e^-20, columns at e^-40): the issue's 5e-3 / 1e-2 targets (measured here:
+    outputs 4.4e-3, gradients 6.0e-3 at most)."""
+    emulate_bf16(monkeypatch)
+    x = kda_inputs(1, 128, 2, 32, 16, torch.bfloat16)
+    if decay is not None:
+        x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
+        x["g"] = (x["g"].float() * 0.1 + math.log(math.expm1(decay / 2))).bfloat16()  # 2 softplus(g) = decay
+    o, ht, grads = kda_forward_backward(x, None, None, True)
+    ro, rht, rgrads = kda_forward_backward(x, None, None, False)
+    assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
+    for n in grads:
+        assert torch.isfinite(grads[n]).all() and rel(grads[n], rgrads[n]) < 1e-2, (n, rel(grads[n], rgrads[n]))
+
+
+def test_bf16_emulation_computes_as_the_tensor_cores_do(monkeypatch):
+    """``emulate_bf16``'s three repairs: a bf16 ``tl.dot`` sums exact products in fp32, bf16 arithmetic rounds its fp32
+    result, fp32 -> bf16 rounds to nearest even (torch's ``.to(torch.bfloat16)``)."""
+    emulate_bf16(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=gen).bfloat16() for _ in range(2))
+    x = torch.randn(16, 16, generator=gen)
+    prod = torch.empty(16, 16)
+    rounded, neg_prod = (torch.empty(16, 16, dtype=torch.bfloat16) for _ in range(2))
+    _bf16_ops[(1,)](a, b, x, prod, rounded, neg_prod)
+    assert torch.allclose(prod, a.float() @ b.float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(rounded, x.bfloat16()) and torch.equal(neg_prod, (-(a.float() * b.float())).bfloat16())
+
+
+@triton.jit
+def _bf16_ops(a, b, x, prod, rounded, neg_prod):
+    o = tl.arange(0, 16)
+    p = o[:, None] * 16 + o[None, :]
+    A = tl.load(a + p)
+    B = tl.load(b + p)
+    tl.store(prod + p, tl.dot(A, B))
+    tl.store(rounded + p, tl.load(x + p).to(tl.bfloat16))
+    tl.store(neg_prod + p, -(A * B))
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
