@@ -239,8 +239,7 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     for n in grads:
-        tol = 2e-3 if n in ("g", "A_log", "dt_bias") else 1e-4  # the gate's cancellation in fp32
-        assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
+        assert rel(grads[n], rgrads[n]) < 1e-5, (n, rel(grads[n], rgrads[n]))  # measured: 8e-7 at most
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
     monkeypatch.setattr(chunk_tiles, "DIAG_SPAN", tl.constexpr(-1.0))
     o_safe, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
