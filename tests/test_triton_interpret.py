@@ -56,9 +56,8 @@ def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen, form, mon
     ro, rht, rgrads = kda_forward_backward(x, lb, cu, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     assert set(grads) == set(rgrads) == set(x)
-    for n in grads:
-        tol = 2e-3 if (lb is None and n in ("g", "A_log", "dt_bias")) else 1e-4  # softplus cancellation in fp32
-        assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
+    for n in grads:  # measured: 9e-6 at most (the softplus gate's were 4e-5 before stop 26 kept decay-1 terms out)
+        assert rel(grads[n], rgrads[n]) < 5e-5, (n, rel(grads[n], rgrads[n]))
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
