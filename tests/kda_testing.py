@@ -1,5 +1,7 @@
 """KDA test inputs and a forward + backward harness, shared by the interpreter (CPU) and the GPU test modules."""
 
+import math
+
 import torch
 
 from kda_moe.kernels.kda import kimi_delta_attention
@@ -30,6 +32,14 @@ def kda_inputs(B, T, H, K, V, dtype, N=None, seed=0, device="cpu"):
     x["A_log"] = torch.log(torch.rand(H, generator=gen, device=device) * 15 + 1)
     x["dt_bias"] = r(H * K) * 0.1
     x["h0"] = r(N or B, H, K, V)
+    return x
+
+
+def with_steep_gates(x, decay):
+    """``x`` with exp(A_log) = 2 and gate logits softplus^-1(decay / 2) plus 0.1 times x's own: every channel of the
+    softplus gate decays by about e^-decay per token (+-10%)."""
+    x["A_log"] = torch.full_like(x["A_log"], math.log(2.0))
+    x["g"] = (x["g"].float() * 0.1 + math.log(math.expm1(decay / 2))).to(x["g"].dtype)
     return x
 
 

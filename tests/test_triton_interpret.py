@@ -5,7 +5,6 @@ Tiny shapes. The reference runs in fp64, so fp32 kernels must agree to ~1e-5 rel
 and hold the bf16 path to the issue's targets, which tests/test_triton_gpu.py checks again on the GPU at full size.
 """
 
-import math
 import os
 
 import pytest
@@ -28,7 +27,8 @@ from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E4
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
 from bf16_emulation import emulate_bf16  # noqa: E402
-from kda_testing import FORWARD_FORMS, kda_forward_backward, kda_inputs, rel, use_forward_form  # noqa: E402
+from kda_testing import (FORWARD_FORMS, kda_forward_backward, kda_inputs, rel, use_forward_form,  # noqa: E402
+                         with_steep_gates)
 
 
 @pytest.fixture(autouse=True)
@@ -130,8 +130,7 @@ def test_chunk_kda_bf16_softplus_gate_matches_reference(decay, monkeypatch):
     emulate_bf16(monkeypatch)
     x = kda_inputs(1, 128, 2, 32, 16, torch.bfloat16)
     if decay is not None:
-        x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
-        x["g"] = (x["g"].float() * 0.1 + math.log(math.expm1(decay / 2))).bfloat16()  # 2 softplus(g) = decay
+        x = with_steep_gates(x, decay)
     o, ht, grads = kda_forward_backward(x, None, None, True)
     ro, rht, rgrads = kda_forward_backward(x, None, None, False)
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
@@ -257,9 +256,7 @@ def test_gate_gradients_in_steep_channels(decay, path):
     fp32 gate gradients match the fp64 reference to 2e-4 however the diagonal blocks are summed (``decay``: -log of
     each token's decay, ``path`` the way its K slices take; measured at most 7e-5). With the decay-1 terms in dG,
     dt_bias's was off by 5e-4, 4e2 and 5e1 (stop 25's kernels)."""
-    x = kda_inputs(1, 128, 2, 32, 16, torch.float32)
-    x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
-    x["g"] = x["g"] * 0.1 + math.log(math.expm1(decay / 2))  # softplus^-1: 2 softplus(g) = decay, +-10%
+    x = with_steep_gates(kda_inputs(1, 128, 2, 32, 16, torch.float32), decay)
     paths = _diagonal_paths(x, None)  # (row tiles, quarter tiles, columns)
     assert paths[path] == sum(paths), paths
     o, ht, grads = kda_forward_backward(x, None, None, True)
