@@ -1,26 +1,42 @@
 """Configuration of the kda-moe text decoder (Kimi Delta Attention + gated MLA + Block AttnRes + LatentMoE).
 
-Every default and every validation of the text model lives here; modeling code trusts its config (STYLE.md).
+Every default and every validation of the text model lives here; modeling code trusts its config.
 The defaults are a small model that runs on a laptop CPU with every feature switched on;
 `KdaMoeTextConfig.kimi_k3()` builds the Kimi K3 shape. Configs in the layout of transformers' native
 `kimi_linear` model and of the published Kimi Linear / Kimi K3 `config.json` load as they are
 (see `KdaMoeTextConfig._from_kimi_linear_keys`).
+
+When each check runs:
+- a field's own rule (its type, range or allowed values) runs whenever the field is set, in the constructor and on
+  every later assignment (`config.num_experts_per_tok = 0` raises at once);
+- rules that relate several fields (`num_experts_per_tok <= num_experts`, one `layer_types` entry per layer, ...) run
+  at the end of the constructor, in `validate()`, when a model is built from the config and in `save_pretrained`,
+  never on a single assignment, so an edit of several fields may pass through any order of intermediate states
+  (`config.num_experts_per_tok = 16; config.num_experts = 64`).
+Keys the constructor does not know are kept as attributes, as transformers does; one that looks like a misspelled
+field (`num_expert_per_tok`) is reported with a warning that names the field.
 """
 
+import dataclasses
+import difflib
+from collections.abc import Callable
 from typing import Any
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import strict, validated_field
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import logging
 
 from ..compat import EXPERT_PARALLEL_STYLES, ConfigValidationError, finish_strict_config
+
+logger = logging.get_logger(__name__)
 
 ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu", "situ")
 ROUTER_BALANCING = ("quantile", "bias_sign", "none")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-# |lower bound| beyond ~5.9 overflows the factored intra-tile decay of the chunked KDA kernel (SPEC, KDA).
+# |lower bound| beyond ~5.9 overflows the factored intra-tile decay of the chunked KDA kernel.
 GATE_LOWER_BOUND_MIN = -5.9
 
 # Kimi Linear semantics for the K3 features a Kimi Linear config does not mention.
@@ -70,6 +86,71 @@ def default_mlp_layer_types(num_hidden_layers: int, first_k_dense_replace: int =
 
 def _invalid(field: str, value: Any, allowed: str) -> ConfigValidationError:
     return ConfigValidationError(f"`{field}`={value!r} is invalid: {allowed}.")
+
+
+# ----- field rules: `@strict` runs them after the field's type check, whenever the field is set
+
+
+def rule(holds: Callable[[Any], bool], requirement: str) -> Callable[[Any], None]:
+    """A field rule: raises `ValueError("must be <requirement>, got <value>")` unless `holds(value)`. None always
+    passes (the field's type says whether it may be None)."""
+
+    def check(value):
+        if value is not None and not holds(value):
+            raise ValueError(f"must be {requirement}, got {value!r}")
+
+    return check
+
+
+def at_least(minimum: int) -> Callable[[Any], None]:
+    return rule(lambda value: value >= minimum, f">= {minimum}")
+
+
+def one_of(choices: tuple[str, ...]) -> Callable[[Any], None]:
+    return rule(lambda value: value in choices, f"one of {choices}")
+
+
+def each_one_of(choices: tuple[str, ...]) -> Callable[[Any], None]:
+    return rule(lambda values: all(value in choices for value in values), f"a list of entries from {choices}")
+
+
+positive = rule(lambda value: value > 0, "> 0")
+non_negative = rule(lambda value: value >= 0, ">= 0")
+probability = rule(lambda value: 0 <= value < 1, "in [0, 1)")
+
+
+# ----- keys that look like misspelled fields
+
+# Keys transformers writes into a `config.json` (5.x, and the 4.x releases whose checkpoints are still around) or
+# reads from a config's keyword arguments, besides the dataclass fields: never reported as misspelled fields.
+TRANSFORMERS_CONFIG_KEYS = frozenset(
+    """
+    add_cross_attention attn_implementation auto_map bad_words_ids begin_suppress_tokens cross_attention_hidden_size
+    decoder_start_token_id diversity_penalty do_sample early_stopping encoder_no_repeat_ngram_size
+    experts_implementation exponential_decay_length_penalty finetuning_task forced_bos_token_id forced_eos_token_id
+    is_decoder length_penalty max_length min_length model_type name_or_path no_repeat_ngram_size num_beam_groups
+    num_beams num_labels num_return_sequences output_attentions output_scores per_layer_config prefix pruned_heads
+    remove_invalid_values repetition_penalty return_dict_in_generate rope_scaling rope_theta sep_token_id
+    suppress_tokens task_specific_params temperature tf_legacy_loss tie_encoder_decoder tokenizer_class top_k top_p
+    torch_dtype torchscript typical_p use_bfloat16
+    """.split()
+)
+
+
+def warn_about_misspelled_keys(config: PreTrainedConfig, keys) -> None:
+    """Warn about each of `keys` (constructor keywords that are no field of `config`) that looks like a misspelled
+    field: such a key is kept as an attribute no model code reads, so the setting it was meant for is silently lost."""
+    names = [field.name for field in dataclasses.fields(config)] + list(config.attribute_map)
+    for key in keys:
+        if key.startswith("_") or key in TRANSFORMERS_CONFIG_KEYS:
+            continue
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
+        if close:
+            logger.warning(
+                f"{type(config).__name__} got the unknown key `{key}`: did you mean `{close[0]}`? Unknown keys are "
+                f"kept as attributes that the model never reads, so `{close[0]}` keeps its value "
+                f"{getattr(config, close[0])!r}; pass `{close[0]}` instead."
+            )
 
 
 @finish_strict_config
@@ -159,75 +240,95 @@ class KdaMoeTextConfig(PreTrainedConfig):
         "n_routed_experts": "num_experts",
     }
 
-    vocab_size: int = 1024
-    hidden_size: int = 256
-    num_hidden_layers: int = 4
-    layer_types: list[str] | None = None
-    mlp_layer_types: list[str] | None = None
-    rms_norm_eps: float | int = 1e-5
+    vocab_size: int = validated_field(at_least(1), default=1024)
+    hidden_size: int = validated_field(at_least(1), default=256)
+    num_hidden_layers: int = validated_field(at_least(1), default=4)
+    layer_types: list[str] | None = validated_field(each_one_of(ATTENTION_LAYER_TYPES), default=None)
+    mlp_layer_types: list[str] | None = validated_field(each_one_of(MLP_LAYER_TYPES), default=None)
+    rms_norm_eps: float | int = validated_field(positive, default=1e-5)
     tie_word_embeddings: bool = False
-    initializer_range: float | int = 0.02
-    max_position_embeddings: int = 8192
+    initializer_range: float | int = validated_field(non_negative, default=0.02)
+    max_position_embeddings: int = validated_field(at_least(1), default=8192)
     use_cache: bool = True
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
-    attention_dropout: float | int = 0.0
+    attention_dropout: float | int = validated_field(probability, default=0.0)
     output_router_logits: bool = False
 
     # KDA
-    linear_num_heads: int = 4
-    linear_head_dim: int = 32
-    linear_conv_kernel_dim: int = 4
-    gate_lower_bound: float | int | None = -5.0
+    linear_num_heads: int = validated_field(at_least(1), default=4)
+    linear_head_dim: int = validated_field(at_least(1), default=32)
+    linear_conv_kernel_dim: int = validated_field(at_least(1), default=4)
+    gate_lower_bound: float | int | None = validated_field(
+        rule(
+            lambda bound: GATE_LOWER_BOUND_MIN <= bound < 0,
+            f"None (Kimi Linear decay) or in [{GATE_LOWER_BOUND_MIN}, 0), e.g. -5.0 (K3)",
+        ),
+        default=-5.0,
+    )
     use_full_rank_gate: bool = True
 
     # gated MLA
-    num_attention_heads: int = 4
-    q_lora_rank: int | None = 64
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
-    v_head_dim: int = 16
+    num_attention_heads: int = validated_field(at_least(1), default=4)
+    q_lora_rank: int | None = validated_field(at_least(1), default=64)
+    kv_lora_rank: int = validated_field(at_least(1), default=32)
+    qk_nope_head_dim: int = validated_field(at_least(1), default=16)
+    qk_rope_head_dim: int = validated_field(
+        [at_least(1), rule(lambda dim: dim % 2 == 0, "even (rotary dims come in pairs)")], default=8
+    )
+    v_head_dim: int = validated_field(at_least(1), default=16)
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
     rope_parameters: RopeParameters | dict | None = None
 
     # LatentMoE
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    num_shared_experts: int = 1
-    moe_intermediate_size: int = 64
-    intermediate_size: int = 512
-    routed_expert_hidden_size: int | None = 128
+    num_experts: int = validated_field(at_least(1), default=8)
+    num_experts_per_tok: int = validated_field(at_least(1), default=2)
+    num_shared_experts: int = validated_field(at_least(0), default=1)
+    moe_intermediate_size: int = validated_field(at_least(1), default=64)
+    intermediate_size: int = validated_field(at_least(1), default=512)
+    routed_expert_hidden_size: int | None = validated_field(at_least(1), default=128)
     latent_moe_use_norm: bool = True
-    routed_scaling_factor: float | int = 1.0
+    routed_scaling_factor: float | int = validated_field(positive, default=1.0)
     moe_renormalize: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    router_balancing: str = "quantile"
-    router_bias_update_rate: float | int = 1e-3
-    router_balancing_bins: int = 1024
-    router_balancing_iterations: int = 8
+    n_group: int = validated_field(at_least(1), default=1)
+    topk_group: int = validated_field(at_least(1), default=1)
+    router_balancing: str = validated_field(one_of(ROUTER_BALANCING), default="quantile")
+    router_bias_update_rate: float | int = validated_field(non_negative, default=1e-3)
+    router_balancing_bins: int = validated_field(at_least(2), default=1024)
+    router_balancing_iterations: int = validated_field(at_least(1), default=8)
 
     # activation
-    hidden_act: str = "situ"
-    activation_situ_beta: float | int = 4.0
-    activation_situ_linear_beta: float | int | None = 25.0
+    hidden_act: str = validated_field(one_of(HIDDEN_ACTS), default="situ")
+    activation_situ_beta: float | int = validated_field(positive, default=4.0)
+    activation_situ_linear_beta: float | int | None = validated_field(positive, default=25.0)
 
-    attn_res_block_size: int | None = 2
-    kernel_backend: str = "auto"
+    attn_res_block_size: int | None = validated_field(at_least(1), default=2)
+    kernel_backend: str = validated_field(one_of(KERNEL_BACKENDS), default="auto")
 
     def __post_init__(self, **kwargs):
+        warn_about_misspelled_keys(self, kwargs)
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_hidden_layers)
         if self.mlp_layer_types is None:
             self.mlp_layer_types = default_mlp_layer_types(self.num_hidden_layers)
-        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        # what transformers' RoPE helpers read as the rotary dimension (as in deepseek_v3 / kimi_linear)
-        self.head_dim = self.qk_rope_head_dim
         # RoPE: standard v5 handling (legacy `rope_theta` / `rope_scaling` kwargs are folded in by the parent)
         super().__post_init__(**kwargs)
+
+    def __setattr__(self, name, value):
+        # An `attribute_map` spelling is checked by the rules of the field it stands for.
+        super().__setattr__(self.attribute_map.get(name, name), value)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of an MLA query / key head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def head_dim(self) -> int:
+        """The rotary width, which transformers' RoPE helpers read as `head_dim` (as in deepseek_v3 / kimi_linear)."""
+        return self.qk_rope_head_dim
 
     @classmethod
     def _from_kimi_linear_keys(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -361,67 +462,27 @@ class KdaMoeTextConfig(PreTrainedConfig):
         k3.update(overrides)
         return cls(**k3)
 
-    # ----- validation (run by `@strict` after `__post_init__`; messages name the field, the value and the fix)
+    # ----- rules that relate several fields (`validate()`: after `__post_init__`, when a model is built, on save)
 
     def validate_layer_type(self):
-        for field, allowed in (("layer_types", ATTENTION_LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+        for field in ("layer_types", "mlp_layer_types"):
             layer_types = getattr(self, field)
-            if len(layer_types) != self.num_hidden_layers:
+            if layer_types is None or len(layer_types) != self.num_hidden_layers:
                 raise _invalid(
-                    field, layer_types, f"needs one entry per layer, num_hidden_layers={self.num_hidden_layers}"
-                )
-            unknown = sorted({t for t in layer_types if t not in allowed})
-            if unknown:
-                raise _invalid(field, unknown, f"entries must be in {allowed}")
+                    field, layer_types,
+                    f"needs one entry per layer, num_hidden_layers={self.num_hidden_layers}; set `{field}` along with "
+                    f"num_hidden_layers (`kda_moe.configuration.default_{field}(num_hidden_layers)` gives the default)",
+                )  # fmt: skip
 
-    def validate_sizes(self):
-        positive = (
-            "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
-            "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
-            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "num_experts", "moe_intermediate_size", "intermediate_size", "n_group", "topk_group",
-        )  # fmt: skip
-        for field in positive:
-            if getattr(self, field) < 1:
-                raise _invalid(field, getattr(self, field), "must be >= 1")
-        for field in ("q_lora_rank", "attn_res_block_size"):
-            value = getattr(self, field)
-            if value is not None and value < 1:
-                raise _invalid(field, value, "must be None or >= 1")
-        if self.num_shared_experts < 0:
-            raise _invalid("num_shared_experts", self.num_shared_experts, "must be >= 0")
+    def validate_latent_width(self):
         latent = self.routed_expert_hidden_size
-        if latent is not None and not 1 <= latent <= self.hidden_size:
+        if latent is not None and latent > self.hidden_size:
             raise _invalid(
                 "routed_expert_hidden_size", latent, f"must be None or in [1, hidden_size={self.hidden_size}]"
             )
 
-    def validate_rope(self):
-        # before transformers' own check, whose message speaks of `head_dim` (= qk_rope_head_dim here)
-        if self.qk_rope_head_dim % 2:
-            raise _invalid("qk_rope_head_dim", self.qk_rope_head_dim, "must be even (rotary dims come in pairs)")
-        super().validate_rope()
-
-    def validate_scalars(self):
-        if not self.rms_norm_eps > 0:
-            raise _invalid("rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if not self.initializer_range >= 0:
-            raise _invalid("initializer_range", self.initializer_range, "must be >= 0")
-        if not 0 <= self.attention_dropout < 1:
-            raise _invalid("attention_dropout", self.attention_dropout, "must be in [0, 1)")
-        if not self.routed_scaling_factor > 0:
-            raise _invalid("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
-
-    def validate_gate_lower_bound(self):
-        bound = self.gate_lower_bound
-        if bound is not None and not GATE_LOWER_BOUND_MIN <= bound < 0:
-            raise _invalid(
-                "gate_lower_bound", bound,
-                f"must be None (Kimi Linear decay) or in [{GATE_LOWER_BOUND_MIN}, 0), e.g. -5.0 (K3)",
-            )  # fmt: skip
-
     def validate_routing(self):
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        if self.num_experts_per_tok > self.num_experts:
             raise _invalid(
                 "num_experts_per_tok", self.num_experts_per_tok, f"must be in [1, num_experts={self.num_experts}]"
             )
@@ -435,27 +496,6 @@ class KdaMoeTextConfig(PreTrainedConfig):
                 "num_experts_per_tok", self.num_experts_per_tok,
                 f"exceeds the {reachable} experts of topk_group={self.topk_group} groups; raise topk_group",
             )  # fmt: skip
-        if self.router_balancing not in ROUTER_BALANCING:
-            raise _invalid("router_balancing", self.router_balancing, f"must be one of {ROUTER_BALANCING}")
-        if not self.router_bias_update_rate >= 0:
-            raise _invalid("router_bias_update_rate", self.router_bias_update_rate, "must be >= 0")
-        if self.router_balancing_bins < 2:
-            raise _invalid("router_balancing_bins", self.router_balancing_bins, "must be >= 2")
-        if self.router_balancing_iterations < 1:
-            raise _invalid("router_balancing_iterations", self.router_balancing_iterations, "must be >= 1")
-
-    def validate_activation(self):
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise _invalid("hidden_act", self.hidden_act, f"must be one of {HIDDEN_ACTS}")
-        if not self.activation_situ_beta > 0:
-            raise _invalid("activation_situ_beta", self.activation_situ_beta, "must be > 0")
-        linear_beta = self.activation_situ_linear_beta
-        if linear_beta is not None and not linear_beta > 0:
-            raise _invalid("activation_situ_linear_beta", linear_beta, "must be None (no cap) or > 0")
-
-    def validate_kernel_backend(self):
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise _invalid("kernel_backend", self.kernel_backend, f"must be one of {KERNEL_BACKENDS}")
 
 
 __all__ = ["KdaMoeTextConfig"]

@@ -1,20 +1,30 @@
 """Configuration of the kda-moe vision tower (`KdaMoeVisionConfig`) and of the multimodal model (`KdaMoeConfig`).
 
 Every default and every validation of the vision tower, the projector and the image placeholder lives here;
-modeling code trusts its config (STYLE.md). The defaults are a small tower that runs on a laptop CPU;
-`KdaMoeVisionConfig.moonvit()` builds the MoonViT-sized tower (SPEC, "Vision").
+modeling code trusts its config. The defaults are a small tower that runs on a laptop CPU;
+`KdaMoeVisionConfig.moonvit()` builds the MoonViT-sized tower. Checks run as in `configuration_kda_moe`: a field's
+own rule whenever it is set, rules that relate fields in `validate()` (constructor, model build, save).
 
 `KdaMoeConfig` is a composite config (`model_type="kda_moe"`) with two sub-configs, `text_config`
 (`KdaMoeTextConfig`) and `vision_config` (`KdaMoeVisionConfig`). transformers 5.17 reads the class attribute
-`sub_configs`, 5.20+ `sub_configs_defaults` (SPEC, "transformers versions"): both are declared, and the sub-configs
-are built from dicts / `None` here, before the parent `__post_init__`, so both versions see config objects.
+`sub_configs`, 5.20+ `sub_configs_defaults`: both are declared, and the sub-configs are built from dicts / `None`
+here, before the parent `__post_init__`, so both versions see config objects.
 """
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import strict, validated_field
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..compat import finish_strict_config
-from .configuration_kda_moe import KdaMoeTextConfig, _invalid
+from ..compat import ConfigValidationError, finish_strict_config
+from .configuration_kda_moe import (
+    KdaMoeTextConfig,
+    _invalid,
+    at_least,
+    non_negative,
+    one_of,
+    positive,
+    probability,
+    warn_about_misspelled_keys,
+)
 
 VISION_HIDDEN_ACTS = ("gelu_pytorch_tanh",)
 PROJECTOR_HIDDEN_ACTS = ("gelu",)
@@ -58,20 +68,24 @@ class KdaMoeVisionConfig(PreTrainedConfig):
     model_type = "kda_moe_vision"
     base_config_key = "vision_config"
 
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_channels: int = 3
-    patch_size: int = 14
-    spatial_merge_size: int = 2
-    pos_emb_height: int = 16
-    pos_emb_width: int = 16
-    rope_theta: float | int = 10000.0
-    hidden_act: str = "gelu_pytorch_tanh"
-    rms_norm_eps: float | int = 1e-5
-    initializer_range: float | int = 0.02
-    attention_dropout: float | int = 0.0
+    hidden_size: int = validated_field(at_least(1), default=64)
+    intermediate_size: int = validated_field(at_least(1), default=128)
+    num_hidden_layers: int = validated_field(at_least(1), default=2)
+    num_attention_heads: int = validated_field(at_least(1), default=4)
+    num_channels: int = validated_field(at_least(1), default=3)
+    patch_size: int = validated_field(at_least(1), default=14)
+    spatial_merge_size: int = validated_field(at_least(1), default=2)
+    pos_emb_height: int = validated_field(at_least(1), default=16)
+    pos_emb_width: int = validated_field(at_least(1), default=16)
+    rope_theta: float | int = validated_field(positive, default=10000.0)
+    hidden_act: str = validated_field(one_of(VISION_HIDDEN_ACTS), default="gelu_pytorch_tanh")
+    rms_norm_eps: float | int = validated_field(positive, default=1e-5)
+    initializer_range: float | int = validated_field(non_negative, default=0.02)
+    attention_dropout: float | int = validated_field(probability, default=0.0)
+
+    def __post_init__(self, **kwargs):
+        warn_about_misspelled_keys(self, kwargs)
+        super().__post_init__(**kwargs)
 
     @classmethod
     def moonvit(cls, **overrides) -> "KdaMoeVisionConfig":
@@ -91,16 +105,9 @@ class KdaMoeVisionConfig(PreTrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    # ----- validation (run by `@strict` after `__post_init__`)
+    # ----- rules that relate several fields
 
-    def validate_sizes(self):
-        positive = (
-            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-            "patch_size", "spatial_merge_size", "pos_emb_height", "pos_emb_width",
-        )  # fmt: skip
-        for field in positive:
-            if getattr(self, field) < 1:
-                raise _invalid(field, getattr(self, field), "must be >= 1")
+    def validate_head_dim(self):
         if self.hidden_size % self.num_attention_heads:
             raise _invalid(
                 "num_attention_heads", self.num_attention_heads, f"must divide hidden_size={self.hidden_size}"
@@ -111,18 +118,6 @@ class KdaMoeVisionConfig(PreTrainedConfig):
                 f"gives head_dim={self.head_dim}; 2D RoPE needs head_dim = hidden_size / num_attention_heads to be a "
                 "multiple of 4 (half of each head per image axis, rotated in pairs)",
             )  # fmt: skip
-
-    def validate_scalars(self):
-        if self.hidden_act not in VISION_HIDDEN_ACTS:
-            raise _invalid("hidden_act", self.hidden_act, f"must be one of {VISION_HIDDEN_ACTS}")
-        if not self.rope_theta > 0:
-            raise _invalid("rope_theta", self.rope_theta, "must be > 0")
-        if not self.rms_norm_eps > 0:
-            raise _invalid("rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if not self.initializer_range >= 0:
-            raise _invalid("initializer_range", self.initializer_range, "must be >= 0")
-        if not 0 <= self.attention_dropout < 1:
-            raise _invalid("attention_dropout", self.attention_dropout, "must be in [0, 1)")
 
 
 SUB_CONFIGS = {"text_config": KdaMoeTextConfig, "vision_config": KdaMoeVisionConfig}
@@ -162,13 +157,14 @@ class KdaMoeConfig(PreTrainedConfig):
 
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
-    image_token_id: int = BUNDLED_IMAGE_TOKEN_ID
-    projector_hidden_size: int | None = None
-    projector_hidden_act: str = "gelu"
-    projector_rms_norm_eps: float | int = 1e-5
+    image_token_id: int = validated_field(at_least(0), default=BUNDLED_IMAGE_TOKEN_ID)
+    projector_hidden_size: int | None = validated_field(at_least(1), default=None)
+    projector_hidden_act: str = validated_field(one_of(PROJECTOR_HIDDEN_ACTS), default="gelu")
+    projector_rms_norm_eps: float | int = validated_field(positive, default=1e-5)
     tie_word_embeddings: bool | None = None
 
     def __post_init__(self, **kwargs):
+        warn_about_misspelled_keys(self, kwargs)
         for key, config_class in SUB_CONFIGS.items():
             value = getattr(self, key)
             if value is None:
@@ -195,7 +191,18 @@ class KdaMoeConfig(PreTrainedConfig):
         """Width of one merged patch: `spatial_merge_size**2` concatenated vision features."""
         return self.vision_config.spatial_merge_size**2 * self.vision_config.hidden_size
 
-    # ----- validation
+    # ----- rules that relate several fields (the sub-configs' own rules included)
+
+    def validate_composition(self):
+        # named to run first: `@strict` runs the `validate_*` methods in name order, and the others read sub-configs
+        for key, config_class in SUB_CONFIGS.items():
+            value = getattr(self, key)
+            if not isinstance(value, config_class):
+                raise _invalid(key, type(value).__name__, f"must be a {config_class.__name__} once the config is built")
+            try:
+                value.validate()
+            except ValueError as error:
+                raise ConfigValidationError(f"`{key}`: {error}") from error
 
     def validate_image_token(self):
         vocab_size = self.text_config.vocab_size
@@ -214,12 +221,11 @@ class KdaMoeConfig(PreTrainedConfig):
                 )
 
     def validate_projector(self):
-        if self.projector_hidden_size < 1:
-            raise _invalid("projector_hidden_size", self.projector_hidden_size, "must be None or >= 1")
-        if self.projector_hidden_act not in PROJECTOR_HIDDEN_ACTS:
-            raise _invalid("projector_hidden_act", self.projector_hidden_act, f"must be one of {PROJECTOR_HIDDEN_ACTS}")
-        if not self.projector_rms_norm_eps > 0:
-            raise _invalid("projector_rms_norm_eps", self.projector_rms_norm_eps, "must be > 0")
+        if self.projector_hidden_size is None:
+            raise _invalid(
+                "projector_hidden_size", None,
+                f"must be an int once the config is built (the merged width is {self.merged_hidden_size})",
+            )  # fmt: skip
 
 
 __all__ = ["KdaMoeVisionConfig", "KdaMoeConfig"]

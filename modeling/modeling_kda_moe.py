@@ -802,6 +802,10 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     }
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
 
+    def __init__(self, config, *inputs, **kwargs):
+        config.validate()  # the rules relating fields: an edit after the config was built is checked here
+        super().__init__(config, *inputs, **kwargs)
+
     def _init_weights(self, module):
         if isinstance(module, KdaMoePseudoQuery):
             init.zeros_(module.weight)  # zero pseudo-queries: every AttnRes mixture starts as the plain average

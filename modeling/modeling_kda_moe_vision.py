@@ -1,4 +1,4 @@
-"""The kda-moe vision tower and the multimodal model (SPEC, "Vision": K3 "MoonViT-V2" style).
+"""The kda-moe vision tower and the multimodal model (K3 "MoonViT-V2" style).
 
 Reading order: patch embedding -> interpolated 2D position table -> 2D rotary embedding -> attention over packed
 images -> MLP -> vision block -> `KdaMoeVisionModel` (with the 2x2 patch merger) -> projector ->
@@ -266,6 +266,10 @@ class KdaMoeVisionPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = False
+
+    def __init__(self, config, *inputs, **kwargs):
+        config.validate()  # the rules relating fields: an edit after the config was built is checked here
+        super().__init__(config, *inputs, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -1,15 +1,20 @@
 """KdaMoeTextConfig: defaults, validation, serialization, published Kimi layouts, the K3 shape."""
 
-import pytest
-from transformers import KimiLinearConfig
+import logging
 
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+from transformers import AutoModelForCausalLM, KimiLinearConfig
+
+from kda_moe import KdaMoeConfig, KdaMoeForCausalLM, KdaMoeTextModel
 from kda_moe.configuration import KdaMoeTextConfig
 
 # ---------------------------------------------------------------- analytic parameter count
 
 
 def k3_parameter_counts(c: KdaMoeTextConfig) -> tuple[int, int]:
-    """(total, activated per token) parameters of the model `c` describes, from the formulas of SPEC.md.
+    """(total, activated per token) parameters of the model `c` describes, from the architecture's formulas.
 
     Counting rule: parameters, not buffers (the router bias is a buffer). `activated` is everything except the
     routed experts a token does not select: all of attention, norms, AttnRes, router, latent down/up, shared
@@ -326,3 +331,96 @@ def test_boundary_values_are_accepted():
         hidden_size=250, n_group=4, topk_group=4, hidden_act="silu", router_balancing="none", kernel_backend="torch",
     )  # fmt: skip
     assert c.hidden_size % c.num_attention_heads != 0  # MLA does not need hidden_size divisible by heads
+
+
+# ---------------------------------------------------------------- checks on assignment and when a model is built
+
+BAD_ASSIGNMENTS = [
+    ("num_experts_per_tok", 0),
+    ("num_experts", -8),
+    ("hidden_act", "gelu"),
+    ("gate_lower_bound", 0.5),
+    ("qk_rope_head_dim", 7),
+    ("layer_types", ["linear_attention", "mamba2", "linear_attention", "full_attention"]),
+    ("kernel_backend", "cuda"),
+    ("attention_dropout", 1.0),
+    ("rms_norm_eps", 0.0),
+    ("activation_situ_linear_beta", -1.0),
+    ("router_balancing_bins", 1),
+    ("routed_expert_hidden_size", 0),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_ASSIGNMENTS, ids=[f"{f}={v!r}" for f, v in BAD_ASSIGNMENTS])
+def test_a_bad_value_set_after_construction_raises_at_once_naming_the_field(field, value):
+    c = KdaMoeTextConfig()
+    with pytest.raises(ValueError, match=f"field '{field}'"):
+        setattr(c, field, value)
+    assert getattr(c, field) == getattr(KdaMoeTextConfig(), field)  # the bad value was not stored
+
+
+def test_an_alias_set_after_construction_is_checked_as_its_field():
+    c = KdaMoeTextConfig()
+    with pytest.raises(ValueError, match="field 'num_experts_per_tok'"):
+        c.num_experts_per_token = 0
+    c.num_experts_per_token = 3
+    assert c.num_experts_per_tok == 3
+
+
+def test_multi_field_edits_may_pass_through_any_order_and_are_checked_when_a_model_is_built():
+    c = tiny_config()
+    c.num_experts_per_tok = 12  # more than the 8 experts until the next line: rules relating fields wait
+    c.num_experts = 16
+    assert KdaMoeForCausalLM(c).model.layers[1].mlp.gate.weight.shape[0] == 16
+
+    c.num_experts_per_tok = 100
+    with pytest.raises(ValueError, match=r"`num_experts_per_tok`=100 is invalid: must be in \[1, num_experts=16\]"):
+        KdaMoeForCausalLM(c)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        AutoModelForCausalLM.from_config(c)
+    c.num_experts_per_tok = 2
+    c.num_hidden_layers = 6
+    with pytest.raises(ValueError, match=r"`layer_types`=.* needs one entry per layer, num_hidden_layers=6"):
+        KdaMoeTextModel(c)
+
+
+def test_rotary_width_follows_qk_rope_head_dim_set_after_construction():
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 2048}
+    c = tiny_config(mla_use_nope=False, rope_parameters=yarn)
+    c.qk_rope_head_dim = 8
+    assert (c.head_dim, c.qk_head_dim) == (8, 16)
+    model = KdaMoeForCausalLM(c).eval()
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, c.vocab_size)
+
+
+# ---------------------------------------------------------------- unknown keys
+
+
+def test_misspelled_keys_warn_naming_the_field_and_other_unknown_keys_are_kept(caplog):
+    with caplog.at_level(logging.WARNING):
+        c = KdaMoeTextConfig(num_expert_per_tok=4, linear_head_dims=16, my_experiment_tag="baseline")
+    assert "`num_expert_per_tok`: did you mean `num_experts_per_tok`?" in caplog.text
+    assert "`linear_head_dims`: did you mean `linear_head_dim`?" in caplog.text
+    assert "my_experiment_tag" not in caplog.text
+    assert c.my_experiment_tag == "baseline" and c.num_experts_per_tok == 2  # kept as transformers keeps them
+
+
+def test_saved_published_and_transformers_written_keys_raise_no_misspelling_warning(tmp_path, caplog):
+    written_by_transformers = {
+        "architectures": ["KdaMoeForCausalLM"], "auto_map": {"AutoConfig": "configuration_kda_moe.KdaMoeTextConfig"},
+        "transformers_version": "4.57.1", "torch_dtype": "float32", "dtype": "float32", "return_dict": True,
+        "tie_encoder_decoder": False, "is_decoder": False, "sep_token_id": None, "output_attentions": False,
+        "rope_theta": 10000.0, "max_length": 20, "top_k": 50, "_name_or_path": "x", "_commit_hash": None,
+    }  # fmt: skip
+    kimi = KimiLinearConfig(vocab_size=256, hidden_size=64, num_hidden_layers=4, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        KdaMoeTextConfig(**written_by_transformers)
+        KdaMoeTextConfig(**published_kimi_linear_dict())
+        KdaMoeTextConfig.from_dict(kimi.to_dict())
+        tiny_model(seed=0).save_pretrained(tmp_path / "text")
+        AutoModelForCausalLM.from_pretrained(tmp_path / "text")
+        KdaMoeConfig().save_pretrained(tmp_path / "multimodal")
+        KdaMoeConfig.from_pretrained(tmp_path / "multimodal")
+    assert "did you mean" not in caplog.text

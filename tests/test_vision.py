@@ -1,10 +1,12 @@
 """The vision tower: packing, 2D position handling, merger, projector, gradient checkpointing, input errors (CPU)."""
 
+import logging
+
 import pytest
 import torch
-from multimodal_testing import PATCH, tiny_multimodal_model
+from multimodal_testing import PATCH, tiny_multimodal_config, tiny_multimodal_model
 
-from kda_moe import KdaMoeConfig, KdaMoeVisionConfig, KdaMoeVisionModel
+from kda_moe import KdaMoeConfig, KdaMoeForConditionalGeneration, KdaMoeVisionConfig, KdaMoeVisionModel
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +118,31 @@ def test_gradient_checkpointing_in_the_tower_gives_the_same_gradients():
 def test_bad_vision_inputs_raise_value_errors_that_say_what_to_fix(model, pixels, grids, message):
     with pytest.raises(ValueError, match=message):
         model.model.vision_tower(pixels, grids)
+
+
+def test_sub_config_edits_are_checked_when_a_model_is_built():
+    config = tiny_multimodal_config()
+    config.text_config.num_experts_per_tok = 100
+    with pytest.raises(ValueError, match=r"(?s)`text_config`: .*`num_experts_per_tok`=100 is invalid"):
+        KdaMoeForConditionalGeneration(config)
+    config = tiny_multimodal_config()
+    config.vision_config.num_attention_heads = 3  # 32 / 3 heads
+    with pytest.raises(ValueError, match="`num_attention_heads`=3 is invalid: must divide hidden_size=32"):
+        KdaMoeForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        KdaMoeVisionModel(config.vision_config)
+    with pytest.raises(ValueError, match="field 'patch_size'"):
+        config.vision_config.patch_size = 0
+    with pytest.raises(ValueError, match="field 'image_token_id'"):
+        config.image_token_id = -1
+
+
+def test_misspelled_vision_and_multimodal_keys_warn_naming_the_field(caplog):
+    with caplog.at_level(logging.WARNING):
+        KdaMoeVisionConfig(patch_sz=4)
+        KdaMoeConfig(image_token=5)
+    assert "`patch_sz`: did you mean `patch_size`?" in caplog.text
+    assert "`image_token`: did you mean `image_token_id`?" in caplog.text
 
 
 def test_vision_config_validation_names_the_field():
