@@ -133,6 +133,19 @@ def linear_attention_states(cache, layer_idx: int) -> tuple[torch.Tensor | None,
     return layer.conv_states[0], layer.recurrent_states[0]
 
 
+def cached_token_count(cache) -> int | None:
+    """Tokens a cache already holds (the length `generate()` reads from it), or None where the cache cannot tell.
+
+    transformers 5.17 counts tokens on attention layers only, so `get_seq_length` of a cache of linear-attention
+    layers alone (a pure-KDA model) raises; 5.25 counts on linear-attention layers too (see
+    `store_linear_attention_states`).
+    """
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:
+        return None
+
+
 def store_linear_attention_states(cache, layer_idx: int, conv_state, recurrent_state, new_tokens: int):
     """Cache a KDA layer's final conv state ``[B, D, W]`` and recurrent state after a forward over ``new_tokens``
     tokens.

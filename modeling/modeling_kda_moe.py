@@ -28,10 +28,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..compat import (
     accepts_legacy_cache_name,
+    cached_token_count,
     linear_attention_states,
     model_output,
     output_cache,
@@ -867,6 +869,86 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         }
 
 
+def check_batch_shape(name: str, tensor: torch.Tensor, shape: str) -> None:
+    """Refuse a `tensor` that is not `shape` (its text, e.g. "[batch, seq_len]") or whose batch or sequence is empty."""
+    ndim = shape.count(",") + 1
+    if tensor.ndim != ndim:
+        hint = f"; for a single sequence pass `{name}[None]`" if tensor.ndim == ndim - 1 else ""
+        raise ValueError(f"`{name}` must be {shape}, got shape {tuple(tensor.shape)}{hint}.")
+    if tensor.shape[0] == 0:
+        raise ValueError(f"`{name}` holds an empty batch (shape {tuple(tensor.shape)}); pass at least one sequence.")
+    if tensor.shape[1] == 0:
+        raise ValueError(f"`{name}` holds no tokens (shape {tuple(tensor.shape)}); pass one or more per sequence.")
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse `input_ids` the embedding cannot look up: not [batch, seq_len] integers, empty, or outside
+    [0, vocab_size). The range check reads the ids' min and max on the host, so it is skipped while tracing
+    (torch.compile, CUDA-graph capture)."""
+    check_batch_shape("input_ids", input_ids, "[batch, seq_len]")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}; pass `.long()` ids.")
+    if is_tracing(input_ids):
+        return
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"`input_ids` hold ids in [{low}, {high}], but token ids must lie in [0, vocab_size={vocab_size}). Use "
+            "the tokenizer that belongs to the model, or grow the model to the tokenizer with "
+            "`model.resize_token_embeddings(len(tokenizer))`."
+        )
+
+
+def check_attention_mask(
+    attention_mask: torch.Tensor | dict | None, batch_size: int, new_tokens: int, cache: Cache | None
+) -> None:
+    """Refuse a 2-D `attention_mask` that is not [batch, cached + new tokens]: KDA layers read its last `new_tokens`
+    entries and MLA layers its first ones, so any other length would mask the two kinds of layers differently.
+
+    4-D masks and transformers' per-layer-type mask dicts pass as they are. Counting the cached tokens may read the
+    cache on the host, so while tracing (and where the cache cannot count, a pure-KDA cache on transformers 5.17) the
+    mask only needs to cover the new tokens.
+    """
+    if attention_mask is None or isinstance(attention_mask, dict) or attention_mask.ndim == 4:
+        return
+    cached = 0 if cache is None else None if is_tracing(attention_mask) else cached_token_count(cache)
+    expected = f"[batch, cached + new tokens] = [{batch_size}, {'cached' if cached is None else cached} + {new_tokens}]"
+    if attention_mask.ndim != 2:
+        raise ValueError(f"`attention_mask` must be {expected} (or 4-D), got shape {tuple(attention_mask.shape)}.")
+    length = attention_mask.shape[1]
+    wrong_length = length < new_tokens if cached is None else length != cached + new_tokens
+    if attention_mask.shape[0] != batch_size or wrong_length:
+        raise ValueError(
+            f"`attention_mask` has shape {tuple(attention_mask.shape)}, but this forward needs {expected}: one row "
+            "per sequence, with an entry for every cached token and every new one (as generate() passes it). Pass "
+            "a mask of that shape, or none."
+        )
+
+
+def check_text_inputs(
+    config: KdaMoeTextConfig,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | dict | None,
+    cache: Cache | None,
+) -> None:
+    """The text model's input checks, run once per forward before anything is computed: inputs that would fail deep
+    inside a layer, or be read differently by KDA and MLA layers, raise a `ValueError` that names the fix."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if input_ids is not None:
+        check_input_ids(input_ids, config.vocab_size)
+    else:
+        check_batch_shape("inputs_embeds", inputs_embeds, "[batch, seq_len, hidden_size]")
+        if inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must be [batch, seq_len, hidden_size={config.hidden_size}], got shape "
+                f"{tuple(inputs_embeds.shape)}; build them with `model.get_input_embeddings()(input_ids)`."
+            )
+    batch_size, new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    check_attention_mask(attention_mask, batch_size, new_tokens, cache)
+
+
 def packed_sequence_boundaries(position_ids: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
     """`cu_seqlens` of a packed batch (one row whose position ids restart at 0 for every sequence), else None."""
     if position_ids is None or batch_size != 1 or position_ids.shape[-1] < 2:
@@ -906,8 +988,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_text_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         # A packed batch (one row, position ids restarting at 0 per sequence) resets KDA at every sequence start and
