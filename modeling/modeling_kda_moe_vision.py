@@ -27,6 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalL
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.import_utils import is_tracing
 
 from ..compat import accepts_legacy_cache_name, model_output, output_cache, slice_logits_to_keep
 from ..configuration import KdaMoeConfig, KdaMoeVisionConfig
@@ -34,6 +35,7 @@ from .modeling_kda_moe import (
     KdaMoePreTrainedModel,
     KdaMoeRMSNorm,
     KdaMoeTextModel,
+    check_input_ids,
     eager_attention_forward,
     rotate_half,
 )
@@ -324,6 +326,17 @@ class KdaMoeVisionModel(KdaMoeVisionPreTrainedModel):
                 f"`image_grid_thw` describes {total} patches but `pixel_values` holds {pixel_values.shape[0]}; "
                 "pass the pixel values and grids of the same images."
             )
+        # One NaN / Inf turns every logit of its sample into NaN. Reading the result on the host is skipped while
+        # tracing (torch.compile, CUDA-graph capture).
+        if is_tracing(pixel_values):
+            return
+        finite = pixel_values.isfinite().all(-1)  # [total_patches]
+        if not finite.all():
+            bad = [i for i, image in enumerate(finite.split(image_grid_thw.prod(-1).tolist())) if not image.all()]
+            raise ValueError(
+                f"`pixel_values` of image(s) {bad} (0-based, in `image_grid_thw` order) hold NaN or Inf. Check how "
+                "those images were loaded and normalised; KdaMoeImageProcessor returns finite values."
+            )
 
     def merge_patches(self, hidden_states: torch.Tensor, grid_sizes: list[tuple[int, int]]) -> torch.Tensor:
         """[N, D] row-major per image -> [N / m**2, m**2 * D]: each m x m window concatenated (rows, then columns)."""
@@ -465,6 +478,7 @@ class KdaMoeModel(KdaMoeMultimodalPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            check_input_ids(input_ids, self.config.text_config.vocab_size)  # the text model sees embeddings only
             inputs_embeds = self.get_input_embeddings()(input_ids)
 
         placeholders = self.get_placeholder_mask(input_ids, inputs_embeds)

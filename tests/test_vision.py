@@ -120,6 +120,26 @@ def test_bad_vision_inputs_raise_value_errors_that_say_what_to_fix(model, pixels
         model.model.vision_tower(pixels, grids)
 
 
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_nan_or_inf_pixel_values_raise_naming_the_image(model, bad_value):
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 2, 2]])
+    pixels = torch.cat([patches(4, 4, 0), patches(2, 4, 1), patches(2, 2, 2)])
+    pixels[16 + 5, 7] = bad_value  # a patch of the second image
+    with pytest.raises(ValueError, match=r"`pixel_values` of image\(s\) \[1\] .* hold NaN or Inf"):
+        model.model.vision_tower(pixels, grids)
+    input_ids = torch.full((1, 7), model.config.image_token_id)
+    with pytest.raises(ValueError, match="hold NaN or Inf"):
+        model(input_ids=input_ids, pixel_values=pixels, image_grid_thw=grids)
+
+
+def test_out_of_vocabulary_text_ids_raise_naming_vocab_size(model):
+    vocab_size = model.config.text_config.vocab_size
+    with pytest.raises(ValueError, match=rf"ids in \[1, {vocab_size}\].*vocab_size={vocab_size}"):
+        model(input_ids=torch.tensor([[1, vocab_size, 3]]))
+    with pytest.raises(ValueError, match=r"pass `input_ids\[None\]`"):
+        model(input_ids=torch.tensor([1, 2, 3]))
+
+
 def test_sub_config_edits_are_checked_when_a_model_is_built():
     config = tiny_multimodal_config()
     config.text_config.num_experts_per_tok = 100
