@@ -9,6 +9,8 @@ Output (`BatchFeature`, torch tensors): `pixel_values` [total_patches, 3 * patch
 `image_grid_thw` [num_images, 3] = (1, grid_h, grid_w). Image `i` becomes `grid_h * grid_w / merge_size**2` text
 tokens. Resizing is torch's antialiased bicubic interpolation on tensors, the same operation as transformers'
 torchvision backend, so the processor needs neither torchvision nor PIL for array inputs (PIL only to open files).
+A PIL image at least `2 * REDUCING_GAP` times its target size per side is first shrunk inside PIL by an integer
+factor (`Image.reduce`, a box filter), so no full-resolution array is ever made of it.
 """
 
 import math
@@ -23,6 +25,11 @@ IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
 # PIL's own decompression-bomb threshold (`PIL.Image.MAX_IMAGE_PIXELS`, about 89.5 megapixels).
 MAX_IMAGE_PIXELS = 89_478_485
+# A PIL image is box-reduced to no less than this many times its target size before the final bicubic resize; 2 is
+# what PIL's `thumbnail` uses (a result indistinguishable from resizing the full image in most cases).
+REDUCING_GAP = 2
+# Modes `Image.reduce` accepts among those the processor reads; images of other modes are read at full resolution.
+REDUCIBLE_MODES = ("RGB", "RGBA", "L", "LA")
 
 
 def _is_pil_image(image) -> bool:
@@ -31,6 +38,16 @@ def _is_pil_image(image) -> bool:
     except ImportError:
         return False
     return isinstance(image, Image.Image)
+
+
+def reduce_pil_image(image, height: int, width: int):
+    """`image` shrunk by the largest integer factor that leaves it at least `REDUCING_GAP` times (height, width), or
+    `image` itself when that factor is below 2. Keeps the memory of a huge image's preprocessing bounded by its
+    target size: the box filter runs inside PIL, before any array is made."""
+    factor = min(image.height // (REDUCING_GAP * height), image.width // (REDUCING_GAP * width))
+    if factor < 2 or image.mode not in REDUCIBLE_MODES:
+        return image
+    return image.reduce(factor)
 
 
 def flatten_images(images) -> list:
@@ -127,8 +144,11 @@ class KdaMoeImageProcessor(BaseImageProcessor):
 
     # ----- loading
 
-    def to_tensor(self, image: Any, **overrides) -> torch.Tensor:
-        """Any supported image -> float32 tensor [3, H, W] in [0, 1] (the size is checked before any conversion)."""
+    def to_tensor(self, image: Any, **overrides) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Any supported image -> (float32 tensor [3, h, w] in [0, 1], the (height, width) to resize it to).
+
+        The size is checked before any conversion. A PIL image far larger than its target is reduced inside PIL
+        first (`reduce_pil_image`), so (h, w) may be smaller than the image; the target follows the image's own size."""
         do_convert_rgb = overrides.get("do_convert_rgb", self.do_convert_rgb)
         if isinstance(image, str):
             from transformers.image_utils import load_image
@@ -137,11 +157,12 @@ class KdaMoeImageProcessor(BaseImageProcessor):
                 image = load_image(image)
             except Exception as error:  # unreadable path / URL / bytes: say what was wrong with the input
                 raise ValueError(f"Could not load an image from the string {image[:80]!r}: {error}") from error
+        target = None
         if _is_pil_image(image):
-            self.target_size(image.height, image.width, **overrides)  # check before decoding a bomb
+            target = self.target_size(image.height, image.width, **overrides)  # check before decoding a bomb
             if do_convert_rgb and image.mode != "RGB":
                 image = image.convert("RGB")
-            image = np.array(image)  # a writable copy
+            image = np.array(reduce_pil_image(image, *target))  # a writable copy
         if isinstance(image, np.ndarray):
             if image.dtype == object or not (np.issubdtype(image.dtype, np.number) or image.dtype == bool):
                 raise ValueError(f"A numpy image must hold numbers, got dtype {image.dtype}.")
@@ -162,7 +183,8 @@ class KdaMoeImageProcessor(BaseImageProcessor):
                 f"Could not find the channel axis of an image of shape {tuple(image.shape)}: expected 1, 3 or 4 "
                 "channels first or last."
             )
-        self.target_size(image.shape[1], image.shape[2], **overrides)  # size checks on a view, before any copy
+        if target is None:
+            target = self.target_size(image.shape[1], image.shape[2], **overrides)  # checks on a view, before any copy
         if image.dtype.is_floating_point:
             image = image.float()
         else:
@@ -173,7 +195,7 @@ class KdaMoeImageProcessor(BaseImageProcessor):
             if not do_convert_rgb:
                 raise ValueError("A single-channel image needs do_convert_rgb=True (the vision tower reads RGB).")
             image = image.expand(3, -1, -1)
-        return image
+        return image, target
 
     # ----- processing
 
@@ -190,8 +212,7 @@ class KdaMoeImageProcessor(BaseImageProcessor):
 
         patches, grids = [], []
         for image in images:
-            image = self.to_tensor(image, **kwargs)
-            new_h, new_w = self.target_size(image.shape[1], image.shape[2], **kwargs)
+            image, (new_h, new_w) = self.to_tensor(image, **kwargs)
             if (new_h, new_w) != tuple(image.shape[1:]):
                 image = F.interpolate(image[None], size=(new_h, new_w), mode="bicubic", antialias=True)[0]
                 image = image.clamp(0.0, 1.0)

@@ -1,9 +1,12 @@
 """KdaMoeImageProcessor / KdaMoeProcessor: placeholder expansion, sizes, inputs, errors, chat template, save/load."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
 from multimodal_testing import PATCH, random_image, tiny_processor
+from PIL import Image
 from transformers import AutoProcessor
 
 from kda_moe import KdaMoeImageProcessor, KdaMoeProcessor
@@ -59,6 +62,30 @@ def test_large_images_are_downscaled_into_the_patch_budget():
     assert height % 28 == 0 and width % 28 == 0 and (height // 14) * (width // 14) <= 256
     assert abs(height / width - 3) < 0.5
     assert image_processor.get_number_of_image_patches(3000, 1000) == (height // 14) * (width // 14)
+
+
+def test_huge_pil_images_are_reduced_before_any_full_resolution_array_is_made():
+    image_processor = KdaMoeImageProcessor(patch_size=14, max_patches=256)
+    huge = random_image(40, 60, seed=5).resize((3000, 2000), Image.Resampling.BICUBIC)  # 3000 wide, 2000 high
+    full_resolution_bytes = 2000 * 3000 * 3  # one uint8 array of it; its float32 tensor is 4x that
+    tracemalloc.start()
+    try:
+        reduced = image_processor(huge)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < full_resolution_bytes / 4, peak
+    resized_at_full_resolution = image_processor(np.asarray(huge))
+    assert torch.equal(reduced["image_grid_thw"], resized_at_full_resolution["image_grid_thw"])
+    difference = (reduced["pixel_values"] - resized_at_full_resolution["pixel_values"]).abs()  # values in [-1, 1]
+    assert difference.mean() < 0.01 and difference.max() < 0.1
+
+
+@pytest.mark.parametrize("size", [(224, 224), (600, 900)], ids=["no_resize", "downscaled_less_than_four_times"])
+def test_pil_images_below_the_reduction_threshold_give_exactly_the_array_pixels(size):
+    image_processor = KdaMoeImageProcessor(patch_size=14, max_patches=256)
+    image = random_image(*size, seed=6)
+    assert torch.equal(image_processor(image)["pixel_values"], image_processor(np.asarray(image))["pixel_values"])
 
 
 @pytest.mark.parametrize(
