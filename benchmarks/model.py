@@ -1,15 +1,15 @@
-"""End to end on the GPU: our KdaMoeForCausalLM against transformers' KimiLinearForCausalLM with fla's kernels (the
-anchor in ../shared/anchors), both holding the same weights and timed in one run: a training step (forward,
-backward, AdamW), a long prefill and batched decoding through ``generate()``; tokens/s, peak memory and ratios.
+"""End to end on the GPU: our KdaMoeForCausalLM against transformers' KimiLinearForCausalLM with fla's kernels, both
+holding the same weights and timed in one run: a training step (forward, backward, AdamW), a long prefill and batched
+decoding through ``generate()``; tokens/s, peak memory and ratios.
 
     python benchmarks/model.py OUTDIR [profile] [cases=train_step,prefill,generate]
                                                      (kda_moe importable; fla 0.6.0 for transformers' kernels)
 
-The anchor's config (822M parameters: 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1 shared, bf16) is built
-as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``), so both sides hold
-the same weights. Before timing, the run compares fp32 logits on one short prompt: ours against transformers', and ours
-against our own PyTorch backend (which separates kernel precision from a difference in the model). The cases and their
-timing (median of a few calls after warm-up calls) are the anchor script's. Writes OUTDIR/model_bench.md and
+The benchmark's config (``anchor_config``: 822M parameters, 6 KDA + 2 MLA layers, NoPE MLA, 64 experts top-8 + 1
+shared, bf16) is built as a random KimiLinear model and saved; ours loads that checkpoint (``modeling/conversion.py``),
+so both sides hold the same weights. Before timing, the run compares fp32 logits on one 256-token prompt: ours against
+transformers', and ours against our own PyTorch backend (which separates kernel precision from a difference in the
+model). Each case is timed as the median of a few calls after warm-up calls. Writes OUTDIR/model_bench.md and
 OUTDIR/model_bench.json after each side of every case (a run cut short keeps what it measured), prints a line with the
 seconds since the start as each side of a case begins and ends, and prints the table last. ``profile`` replaces the
 timed cases by a torch.profiler table of one training step at the first training shape per side (the kernels sorted by
@@ -30,13 +30,13 @@ from kda_moe import KdaMoeForCausalLM
 
 dev = "cuda"
 LAYERS = 8
-# (case, shape) as the anchor runs them: training steps (B, T), prefills (T,), generate (B, prompt, new tokens)
+# (case, shape): training steps (B, T), prefills (T,), generate (B, prompt, new tokens)
 CASES = [("train_step", (4, 4096)), ("train_step", (1, 16384)), ("prefill", (16384,)), ("prefill", (65536,)),
          ("generate", (1, 2048, 128)), ("generate", (32, 2048, 128))]
 
 
 def anchor_config():
-    """The anchor's KimiLinear config (../shared/anchors/anchor_kimi_linear_e2e.py)."""
+    """The KimiLinear config both models are timed on: Kimi Linear's layout at 822M parameters."""
     from transformers import KimiLinearConfig
 
     return KimiLinearConfig(
@@ -132,7 +132,7 @@ def profile_train_step(model, shape, vocab):
 
 
 def run_case(model, case, shape, vocab):
-    """One case on one model, as the anchor measures it: a dict of seconds, throughput and peak memory."""
+    """One case on one model: a dict of seconds, throughput and peak memory."""
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if case == "train_step":

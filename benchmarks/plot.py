@@ -1,15 +1,12 @@
 r"""Plot benchmarks/kda.py results: fla's time over ours per shape (forward, forward + backward) against the targets,
 and the decode step's time per batch size against the copy-bandwidth floor.
 
-    python benchmarks/plot.py OUT.png RESULT.json [RESULT.json ...]
+    python benchmarks/plot.py [OUT.png RESULT.json [RESULT.json ...]]
 
 Each RESULT.json is a ``kda_bench.json`` written by benchmarks/kda.py. Later files override earlier ones per shape
-and column, so a run that timed only our kernels can be plotted against the fla columns of an earlier run of the
-same session; the figure's footnote names the file each plotted number came from. The README's figure:
-
-    python benchmarks/plot.py benchmarks/results/h200-2026-12-04/kda_h200.png \
-        benchmarks/results/h200-2026-12-03/run_E_decode.json \
-        benchmarks/results/h200-2026-12-04/run_{K,K96,N,O16,O96,O,P}.json
+and column, so a run that timed only some shapes or columns can be plotted over an earlier run; the figure's footnote
+names the file each plotted number came from. Without arguments it redraws the README's figure, FIGURE from
+README_FIGURE_RESULTS.
 """
 
 import json
@@ -21,8 +18,21 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-TARGETS = {"fwd": 2.0, "fwdbwd": 1.3}  # issue 3: fla safe_gate time over ours
+TARGETS = {"fwd": 2.0, "fwdbwd": 1.3}  # the kernels' goals: fla safe_gate time over ours
 STATE_BYTES = 2 * 16 * 128 * 128 * 4  # decode: the fp32 state [H=16, K=128, V=128] read and written, per sequence
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+FIGURE = os.path.join(RESULTS, "kda_h200.png")
+# The README's figure: the decode panel, then the shapes of 7228260's runs (1 x 65536 x 16, 1 x 32768 x 96), then
+# 24635c9's (16 x 4096 x 16, 4 x 16384 x 16, overriding 7228260's 4 x 16384 x 16); fla timed in the same run as ours.
+README_FIGURE_RESULTS = [
+    os.path.join(RESULTS, name)
+    for name in (
+        "2026-12-03_decode_bb30998.json",
+        "2026-12-04_kda_7228260_h16.json",
+        "2026-12-04_kda_7228260_h96.json",
+        "2026-12-04_kda_24635c9.json",
+    )
+]
 
 
 def merge(paths):
@@ -90,4 +100,7 @@ def plot(out, paths):
 
 
 if __name__ == "__main__":
-    plot(sys.argv[1], sys.argv[2:])
+    if len(sys.argv) == 2:
+        sys.exit("usage: python benchmarks/plot.py [OUT.png RESULT.json [RESULT.json ...]]")
+    out, paths = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 2 else (FIGURE, README_FIGURE_RESULTS)
+    plot(out, paths)

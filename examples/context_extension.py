@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from finetune import CHECKPOINTING
 from torch import nn
 
 
@@ -201,7 +202,7 @@ def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, 
 
     model = AutoModelForCausalLM.from_pretrained(init_from) if isinstance(init_from, (str, Path)) else init_from
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, stage.seq_len)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    getattr(model, f"{CHECKPOINTING}_enable")({"use_reentrant": False})  # the wrapper below hides it from Trainer
     model.train()
     rows = packed_rows(corpus_tokens(tokenizer, 4 * stage.seq_len), stage.seq_len, stage.batch * stage.steps, seed=index)
     args = TrainingArguments(
@@ -219,6 +220,7 @@ def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, 
         remove_unused_columns=False,
         disable_tqdm=not progress,
         dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory only helps copies to a GPU
         seed=index,
     )
     trainer = Trainer(model=ChunkedLossCausalLM(model, chunk_size), args=args, train_dataset=rows, data_collator=PackedRowCollator())
@@ -236,7 +238,7 @@ def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, 
         "saved_to": str(stage_dir),
         "losses": losses,
         "documents_per_row": documents / len(rows),
-        "gradient_checkpointing": model.is_gradient_checkpointing,
+        "gradient_checkpointing": getattr(model, f"is_{CHECKPOINTING}"),
     }
 
 

@@ -14,9 +14,11 @@ import argparse
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 EXAMPLES = Path(__file__).resolve().parent
 DATA = EXAMPLES / "data"
@@ -36,6 +38,13 @@ LORA_TARGET_MODULES = [
 LORA_TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA_MODULES_TO_SAVE = ["gate"]
 
+# What transformers calls gradient checkpointing on 5.17 it calls activation checkpointing on newer versions, where
+# the old names (`TrainingArguments(gradient_checkpointing=...)`, `model.gradient_checkpointing_enable()`,
+# `model.is_gradient_checkpointing`) raise FutureWarnings. The examples use whichever name this version has.
+CHECKPOINTING = (
+    "activation_checkpointing" if hasattr(PreTrainedModel, "activation_checkpointing_enable") else "gradient_checkpointing"
+)
+
 
 def lora_config(r: int = 8, alpha: int = 16, **overrides):
     from peft import LoraConfig
@@ -51,6 +60,16 @@ def lora_config(r: int = 8, alpha: int = 16, **overrides):
     )
     values.update(overrides)
     return LoraConfig(**values)
+
+
+def with_lora(model, r: int = 8):
+    """`model` wrapped by PEFT with a LoRA adapter of rank `r` on the recommended targets."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        # peft reads `model.is_gradient_checkpointing`, which newer transformers versions deprecate: peft's warning
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, lora_config(r=r))
 
 
 def load_tokenizer(path=None):
@@ -150,9 +169,7 @@ def main(argv=None) -> dict:
     data = {split: tokenized_blocks(raw[split], tokenizer, args.block_size, args.text_field) for split in raw}
     model = build_model(args.model, tokenizer, tiny=args.tiny)
     if args.lora:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config(r=args.lora_rank))
+        model = with_lora(model, r=args.lora_rank)
         model.print_trainable_parameters()
 
     compute_metrics, preprocess_logits_for_metrics = perplexity_metric()
@@ -162,7 +179,6 @@ def main(argv=None) -> dict:
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing,
         max_steps=args.max_steps,
         learning_rate=args.learning_rate or (3e-3 if args.lora else 2e-3),
         lr_scheduler_type="cosine",
@@ -175,6 +191,8 @@ def main(argv=None) -> dict:
         seed=args.seed,
         disable_tqdm=args.no_progress_bar,
         dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory only helps copies to a GPU
+        **{CHECKPOINTING: args.gradient_checkpointing},
     )
     trainer = Trainer(
         model=model,

@@ -12,7 +12,8 @@
    `examples/data/keeper_log_train.jsonl`, and show that the adapter changed the output for the same prompt.
 
 About two minutes on a laptop CPU; on a machine with a CUDA GPU the same command trains there (bf16 where supported).
-A `summary.json` in the output folder records the losses and the generations.
+A `summary.json` in the output folder records the losses and the generations. It needs only the base install
+(`bash install.sh`): the data are plain PyTorch datasets, so neither `datasets` nor `evaluate` is imported.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from finetune import DATA, load_tokenizer, lora_config, tokenized_blocks
+from finetune import DATA, load_tokenizer, with_lora
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 import kda_moe  # noqa: F401  (registers the Auto classes)
@@ -41,13 +42,30 @@ class ExpertLoadLogger(TrainerCallback):
             logs["max/mean expert load"] = round(max(s["max_load"] / s["mean_load"] for s in loads.values()), 2)
 
 
-def corpus_blocks(tokenizer, seq_len: int, stride: int):
-    """Overlapping `seq_len` windows over the tokenized corpus (a small corpus, so overlap gives more examples)."""
-    from datasets import Dataset
+class TokenWindows(torch.utils.data.Dataset):
+    """Causal-LM examples (labels = inputs) cut from one token stream: `seq_len` tokens every `stride` tokens."""
 
-    ids = tokenizer(Path(DATA / "corpus.txt").read_text())["input_ids"]
-    starts = range(0, len(ids) - seq_len, stride)
-    return Dataset.from_dict({"input_ids": [ids[s : s + seq_len] for s in starts], "labels": [ids[s : s + seq_len] for s in starts]})
+    def __init__(self, ids: list[int], seq_len: int, stride: int):
+        self.windows = torch.tensor(ids).unfold(0, seq_len, stride)  # [num_windows, seq_len]
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.windows[index], "labels": self.windows[index]}
+
+
+def corpus_windows(tokenizer, seq_len: int) -> TokenWindows:
+    """Overlapping windows over the tokenized corpus (a small corpus, so overlap gives more examples)."""
+    ids = tokenizer((DATA / "corpus.txt").read_text())["input_ids"]
+    return TokenWindows(ids, seq_len, stride=seq_len // 4)
+
+
+def jsonl_blocks(tokenizer, path: Path, seq_len: int) -> TokenWindows:
+    """Every record's `text` + end-of-text, concatenated and cut into `seq_len` blocks."""
+    records = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    stream = [token for text in records for token in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    return TokenWindows(stream, seq_len, stride=seq_len)
 
 
 def train(model, dataset, output_dir: Path, steps: int, batch_size: int, learning_rate: float, progress: bool):
@@ -66,6 +84,7 @@ def train(model, dataset, output_dir: Path, steps: int, batch_size: int, learnin
         seed=0,
         disable_tqdm=not progress,
         dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory only helps copies to a GPU
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator, callbacks=[ExpertLoadLogger()])
     trainer.train()
@@ -108,7 +127,7 @@ def main(argv=None) -> dict:
           f"MLPs {config.mlp_layer_types}, {config.num_experts} experts top-{config.num_experts_per_tok}, device {device}")
 
     # 2. pre-train with Trainer on the bundled corpus
-    corpus = corpus_blocks(tokenizer, args.seq_len, stride=args.seq_len // 4)
+    corpus = corpus_windows(tokenizer, args.seq_len)
     print(f"\n== training on examples/data/corpus.txt ({len(corpus)} windows of {args.seq_len} tokens) ==")
     losses = train(model, corpus, output_dir / "trainer", args.steps, args.batch_size, 3e-3, not args.no_progress_bar)
     print(f"loss: first logged {losses[0]:.3f} -> final {losses[-1]:.3f}")
@@ -129,14 +148,8 @@ def main(argv=None) -> dict:
     print(f"generate   : {PROMPT!r} -> {base_text!r}")
 
     # 4. LoRA on attention + shared / routed experts, trained on a different text
-    from peft import get_peft_model
-
-    log = tokenized_blocks(
-        __import__("datasets").load_dataset("json", data_files=str(DATA / "keeper_log_train.jsonl"))["train"],
-        tokenizer,
-        args.seq_len,
-    )
-    lora_model = get_peft_model(model, lora_config(r=8))
+    log = jsonl_blocks(tokenizer, DATA / "keeper_log_train.jsonl", args.seq_len)
+    lora_model = with_lora(model, r=8)
     print(f"\n== LoRA fine-tuning on examples/data/keeper_log_train.jsonl ({len(log)} blocks) ==")
     lora_model.print_trainable_parameters()
     lora_losses = train(lora_model, log, output_dir / "lora-trainer", args.lora_steps, args.batch_size, 3e-3, not args.no_progress_bar)

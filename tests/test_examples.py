@@ -1,5 +1,6 @@
-"""The examples run as users run them (subprocesses, offline): the README demo with its defaults, the datasets +
-evaluate fine-tuning script, and the scaled-down context-extension curriculum; plus the chunked loss it relies on."""
+"""The examples run as users run them (subprocesses, offline, FutureWarnings as errors): the README demo with its
+defaults on the base install, the datasets + evaluate fine-tuning script, the scaled-down context-extension curriculum
+and the multimodal chat; plus the chunked loss the curriculum relies on."""
 
 import importlib.util
 import json
@@ -16,29 +17,60 @@ from huggingface_hub import ModelCard
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Import names of what only the `examples` / `dev` extras install (pyproject.toml); triton is left out because
+# PyTorch's CUDA build brings it.
+EXTRAS_ONLY = ("datasets", "evaluate", "pytest", "hypothesis", "fla", "einops", "matplotlib")
+# A sitecustomize that hides packages from every import finder, as if they were not installed.
+HIDE_PACKAGES = """import sys
 
 
-def run_example(script, *args, cwd, timeout):
+class Hiding:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+
+HIDDEN = {hidden}
+sys.meta_path[:] = [Hiding(finder) if hasattr(finder, "find_spec") else finder for finder in sys.meta_path]
+"""
+
+
+def run_example(script, *args, cwd, timeout, hide=()):
+    """Runs `python -W error::FutureWarning examples/<script> args...` in `cwd`, with the packages `hide` names
+    unimportable."""
     env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
+    if hide:
+        site = cwd / "hide-packages"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(HIDE_PACKAGES.format(hidden=set(hide)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-W", "error::FutureWarning", str(EXAMPLES / script), *args]
     start = time.time()
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result, time.time() - start
 
 
 def load_example(name):
+    sys.path.insert(0, str(EXAMPLES))  # as `python examples/<name>.py` has it: the examples import each other
     spec = importlib.util.spec_from_file_location(f"kda_moe_example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_quickstart_demo_runs_with_its_defaults(tmp_path):
-    """`python examples/quickstart.py`: Trainer with a progress bar, the loss clearly falls, the saved folder has a
-    valid model card and reloads, and the LoRA adapter changes the generation."""
-    result, seconds = run_example("quickstart.py", cwd=tmp_path, timeout=600)
+def test_quickstart_demo_runs_with_its_defaults_on_the_base_install(tmp_path):
+    """`python examples/quickstart.py` with none of the extras' packages importable: Trainer with a progress bar,
+    the loss clearly falls, the saved folder has a valid model card and reloads, and the LoRA adapter changes the
+    generation."""
+    result, seconds = run_example("quickstart.py", cwd=tmp_path, timeout=600, hide=EXTRAS_ONLY)
     summary = json.loads((tmp_path / "outputs" / "quickstart" / "summary.json").read_text())
     losses = summary["losses"]
     assert losses[-1] < losses[0] - 1.0, losses  # clearly falls, not noise
@@ -54,7 +86,8 @@ def test_quickstart_demo_runs_with_its_defaults(tmp_path):
 
 def test_finetune_on_local_jsonl_reports_perplexity_with_evaluate(tmp_path):
     out = tmp_path / "ft"
-    args = ("--tiny", "--max-steps", "8", "--block-size", "64", "--batch-size", "8", "--output-dir", str(out))
+    args = ("--tiny", "--max-steps", "8", "--block-size", "64", "--batch-size", "8", "--gradient-checkpointing")
+    args += ("--output-dir", str(out))
     result, _ = run_example("finetune.py", *args, cwd=tmp_path, timeout=300)
     metrics = json.loads((out / "metrics.json").read_text())
     before, after = metrics["before"], metrics["after"]
@@ -82,6 +115,14 @@ def test_context_extension_curriculum_runs_scaled_down(tmp_path):
         assert len(stage["losses"]) == stage["steps"] and all(math.isfinite(x) for x in stage["losses"])
         config = json.loads((tmp_path / stage["saved_to"] / "config.json").read_text())
         assert config["max_position_embeddings"] >= stage["seq_len"]
+
+
+def test_multimodal_chat_trains_saves_reloads_and_replies(tmp_path):
+    out = tmp_path / "mm"
+    result, _ = run_example("multimodal.py", "--steps", "3", "--output-dir", str(out), cwd=tmp_path, timeout=300)
+    assert "image tokens" in result.stdout and "assistant: " in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kda_moe" and (out / "processor_config.json").exists()
 
 
 def test_chunked_cross_entropy_equals_the_plain_loss_without_full_logits():
