@@ -38,7 +38,9 @@ from ..compat import (
     store_linear_attention_states,
 )
 from ..configuration import KdaMoeTextConfig
-from ..kernels import gated_rms_norm, kda_decode_step, kimi_delta_attention, short_conv, short_conv_step
+from ..kernels.conv import short_conv, short_conv_step
+from ..kernels.kda import kda_decode_step, kimi_delta_attention
+from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
 
