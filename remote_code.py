@@ -155,13 +155,13 @@ def flatten_package(root: Path, entries: list[PurePosixPath]) -> dict[str, str]:
     pending = sorted(set(entries))
     while pending:
         path = pending.pop(0)
+        if path.parts == ("__init__.py",):
+            raise RemoteCodeError("The package root's `__init__.py` cannot be written as remote code.")
         flat = flat_module_name(path)
         if flat in origins:
             if origins[flat] != path:
                 raise RemoteCodeError(f"{origins[flat]} and {path} both flatten to {flat}.py; rename one of them.")
             continue
-        if path.parts == ("__init__.py",):
-            raise RemoteCodeError(f"The package root's `__init__.py` cannot be written as remote code (reached as {path}).")
         origins[flat] = path
         sources[flat], targets = _flatten_module(root, path)
         pending.extend(sorted(set(targets)))
