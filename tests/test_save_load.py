@@ -3,7 +3,7 @@ test_remote_code.py)."""
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig, KdaMoeTextModel
