@@ -367,7 +367,7 @@ def publish_to_hub_cache(folder: Path, hf_home: Path, repo_id: str) -> None:
     the Hub code path (every `.py` file checked by `check_imports`, fetched one by one)."""
     commit = hashlib.sha1(repo_id.encode()).hexdigest()
     repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(folder, repo / "snapshots" / commit, ignore=shutil.ignore_patterns("*.pt"))
+    shutil.copytree(folder, repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
 
