@@ -41,8 +41,9 @@ $training_summary
 
 ## How to use
 
-The folder carries the kda-moe source code it runs (the `.py` files that `config.json`'s `auto_map` names), so
-`transformers` and `torch` are all it needs; `trust_remote_code=True` lets transformers run that code:
+The folder carries the kda-moe source code it runs (the `.py` files beside the weights; `config.json`'s `auto_map`
+names its classes), so `transformers` and `torch` are all it needs; `trust_remote_code=True` lets transformers run
+that code:
 
 ```python
 $remote_code_usage
