@@ -259,8 +259,8 @@ def run_fresh(fresh, script: str, *, env: dict | None = None, hide_triton: bool 
 
 @pytest.fixture(scope="module")
 def saved(fresh):
-    """A tiny text model (KDA, MLA, AttnRes, LatentMoE; head dim 16 for the Triton kernels) and a tiny multimodal
-    model with its processor, saved; inputs and the installed package's outputs beside them."""
+    """A tiny text model (KDA, MLA, AttnRes, LatentMoE; head dim 16 for the Triton kernels), a tiny multimodal model
+    with its processor, and the image processor alone, saved; inputs and the installed package's outputs beside them."""
     work, _ = fresh
     text = perturbed(tiny_model(seed=0, linear_head_dim=16))
     text.save_pretrained(work / "text")
@@ -268,6 +268,7 @@ def saved(fresh):
     processor = tiny_processor(multimodal)
     multimodal.save_pretrained(work / "multimodal")
     processor.save_pretrained(work / "multimodal")
+    processor.image_processor.save_pretrained(work / "image-processor")
 
     input_ids = torch.randint(1, text.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     image = np.random.default_rng(0).integers(0, 256, (22, 30, 3), dtype=np.uint8)
@@ -340,6 +341,9 @@ def test_saved_folders_load_generate_and_save_again_without_kda_moe(fresh, saved
             if name == "multimodal":
                 model.save_pretrained(work / "multimodal-again")
                 processor.save_pretrained(work / "multimodal-again")
+        image_processor = AutoImageProcessor.from_pretrained(work / "image-processor", trust_remote_code=True)
+        assert bundled(image_processor) == "KdaMoeImageProcessor"
+        results["image_processor_inputs"] = dict(image_processor(data["image"].numpy()))
         torch.save(results, work / "results.pt")
         """,
     )
@@ -354,6 +358,8 @@ def test_saved_folders_load_generate_and_save_again_without_kda_moe(fresh, saved
         assert all(torch.equal(results[f"{name}_inputs"][key], mm_inputs[key]) for key in mm_inputs), name
         assert (results[f"{name}_logits"] - expected["mm_logits"]).abs().max() < 1e-5, name
         assert torch.equal(results[f"{name}_continuation"], expected["mm_continuation"]), name
+    for key, value in results["image_processor_inputs"].items():
+        assert torch.equal(value, mm_inputs[key]), key
     # A folder saved by the bundled code carries the same source, byte for byte, and a model card.
     for name in ("text", "multimodal"):
         written = {path.name: path.read_bytes() for path in (work / name).glob("*.py")}
