@@ -1,6 +1,6 @@
 """Modeling: the text decoder (`modeling_kda_moe.py`) and checkpoint-layout conversions (`conversion.py`)."""
 
-from . import conversion  # noqa: F401  (registers the Kimi Linear checkpoint conversions for our model_type)
+from .conversion import kimi_linear_conversions  # noqa: F401  (importing it registers the Kimi Linear conversions)
 from .modeling_kda_moe import KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
 from .modeling_kda_moe_vision import (
     KdaMoeForConditionalGeneration,

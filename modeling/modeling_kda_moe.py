@@ -11,7 +11,6 @@ gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research 
 
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,11 @@ from ..compat import (
     store_linear_attention_states,
 )
 from ..configuration import KdaMoeTextConfig
-from ..kernels import gated_rms_norm, kda_decode_step, kimi_delta_attention, short_conv, short_conv_step
+from ..kernels.conv import short_conv, short_conv_step
+from ..kernels.kda import kda_decode_step, kimi_delta_attention
+from ..kernels.norm import gated_rms_norm
+from ..model_cards import write_model_card, write_pushed_model_card
+from ..remote_code import write_remote_code
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -768,24 +771,6 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def write_remote_code_modules(save_directory, auto_classes: dict[str, str]) -> dict[str, str]:
-    """One-line `configuration_kda_moe.py` / `modeling_kda_moe.py` in a saved folder, importing the named classes
-    from the installed `kda_moe` package, so `trust_remote_code=True` loaders that never import `kda_moe` find them.
-    auto_classes: {"AutoConfig": "KdaMoeTextConfig", ...}. Returns the folder's `auto_map`."""
-    modules: dict[str, list[str]] = {}
-    auto_map = {}
-    for auto_name, class_name in auto_classes.items():
-        module = "configuration_kda_moe" if class_name.endswith("Config") else "modeling_kda_moe"
-        modules.setdefault(module, []).append(class_name)
-        auto_map[auto_name] = f"{module}.{class_name}"
-    for module, names in modules.items():
-        package = "kda_moe.configuration" if module.startswith("configuration") else "kda_moe.modeling"
-        source = '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
-        source += f"from {package} import {', '.join(sorted(set(names)))}  # noqa: F401\n"
-        (Path(save_directory) / f"{module}.py").write_text(source)
-    return auto_map
-
-
 class KdaMoePreTrainedModel(PreTrainedModel):
     config: KdaMoeTextConfig
     config_class = KdaMoeTextConfig
@@ -828,25 +813,17 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         elif isinstance(module, KdaMoeGatedRMSNorm):
             init.ones_(module.weight)
 
-    # What a saved folder's `auto_map` names, for `trust_remote_code` loaders (see `write_remote_code_modules`).
-    _remote_code_classes = {
-        "AutoConfig": "KdaMoeTextConfig",
-        "AutoModel": "KdaMoeTextModel",
-        "AutoModelForCausalLM": "KdaMoeForCausalLM",
-    }
+    def _remote_code_classes(self) -> dict[str, type]:
+        """The classes a saved folder's `auto_map` names; `save_pretrained` writes their source into the folder."""
+        return {"AutoConfig": KdaMoeTextConfig, "AutoModel": KdaMoeTextModel, "AutoModelForCausalLM": KdaMoeForCausalLM}
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus an `auto_map` with one-line modules that import this package (so
-        the folder, or its Hub copy, also loads with `Auto*.from_pretrained(..., trust_remote_code=True)` in a
-        process that never imports `kda_moe`; the package must be installed) and, for text models, a model card."""
-        is_main_process = kwargs.get("is_main_process", True)
-        if is_main_process:
-            Path(save_directory).mkdir(parents=True, exist_ok=True)
-            self.config.auto_map = write_remote_code_modules(save_directory, self._remote_code_classes)
-            if isinstance(self.config, KdaMoeTextConfig):  # the card template describes text models
-                from ..model_cards import write_model_card  # README.md: the model card (kept if someone else wrote it)
-
-                write_model_card(self, save_directory)
+        """`PreTrainedModel.save_pretrained`, plus the package source the folder runs (flattened, named by
+        `config.auto_map`: `Auto*.from_pretrained(folder, trust_remote_code=True)` loads it where kda_moe is not
+        installed; see `remote_code.py`) and the model card (`README.md`, kept if someone else wrote it)."""
+        if kwargs.get("is_main_process", True):
+            self.config.auto_map = write_remote_code(save_directory, self._remote_code_classes())
+            write_model_card(self, save_directory)
         super().save_pretrained(save_directory, *args, **kwargs)
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
@@ -854,10 +831,7 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         `save_pretrained(..., push_to_hub=True)` save transformers' card (the Hub's, or a generic one, from
         `create_and_tag_model_card`) as `working_dir/README.md` just before they call this. The push's tags are kept,
         and so is a card someone wrote on the Hub (see `model_cards.write_pushed_model_card`)."""
-        if isinstance(self.config, KdaMoeTextConfig):
-            from ..model_cards import write_pushed_model_card
-
-            write_pushed_model_card(self, working_dir, repo_id)
+        write_pushed_model_card(self, working_dir, repo_id)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     def router_load_statistics(self) -> dict[str, dict[str, float]]:

@@ -13,7 +13,6 @@ features each gives alone. Each merged patch (2x2 neighbours) becomes one `<|med
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -414,11 +413,13 @@ class KdaMoeMultimodalPreTrainedModel(KdaMoePreTrainedModel):
     input_modalities = ("image", "text")
     _no_split_modules = ["KdaMoeDecoderLayer", "KdaMoeVisionBlock"]
     _checkpoint_conversion_mapping = {}
-    _remote_code_classes = {
-        "AutoConfig": "KdaMoeConfig",
-        "AutoModel": "KdaMoeModel",
-        "AutoModelForImageTextToText": "KdaMoeForConditionalGeneration",
-    }
+
+    def _remote_code_classes(self) -> dict[str, type]:
+        return {
+            "AutoConfig": KdaMoeConfig,
+            "AutoModel": KdaMoeModel,
+            "AutoModelForImageTextToText": KdaMoeForConditionalGeneration,
+        }
 
     def _init_weights(self, module):
         # Only the modules the composite owns land here (projector, lm_head): the vision tower and the text model

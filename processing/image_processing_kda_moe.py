@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 
+from ..remote_code import write_remote_code
+
 IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
 # PIL's own decompression-bomb threshold (`PIL.Image.MAX_IMAGE_PIXELS`, about 89.5 megapixels).
@@ -233,6 +235,12 @@ class KdaMoeImageProcessor(BaseImageProcessor):
         for key in ("_valid_processor_keys", "_valid_kwargs_names"):
             output.pop(key, None)
         return output
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`BaseImageProcessor.save_pretrained`, plus this module's source and an `auto_map` naming it, so
+        `AutoImageProcessor.from_pretrained(folder, trust_remote_code=True)` loads it where kda_moe is not installed."""
+        self.auto_map = write_remote_code(save_directory, {"AutoImageProcessor": KdaMoeImageProcessor})
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 __all__ = ["KdaMoeImageProcessor"]

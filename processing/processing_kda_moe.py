@@ -10,13 +10,13 @@ calls the processor.
 tokenizer trained by `train_tokenizer.py` and the chat template), so demos and tests never download anything.
 """
 
-import json
 from pathlib import Path
 
 from transformers import AutoTokenizer
 from transformers.image_processing_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
+from ..remote_code import write_remote_code
 from .image_processing_kda_moe import KdaMoeImageProcessor, flatten_images
 
 HERE = Path(__file__).resolve().parent
@@ -28,16 +28,6 @@ _IGNORED_KWARGS = (
     "videos_kwargs", "audio_kwargs", "audio_from_video_indices", "load_audio_from_video", "do_sample_frames",
     "return_mm_token_type_ids", "return_text_replacement_offsets", "return_metadata", "common_kwargs",
 )  # fmt: skip
-
-REMOTE_CODE_CLASSES = {
-    "AutoProcessor": "processing_kda_moe.KdaMoeProcessor",
-    "AutoImageProcessor": "processing_kda_moe.KdaMoeImageProcessor",
-}
-REMOTE_CODE_MODULE = (
-    '"""Written by kda-moe: the classes live in the installed `kda_moe` package."""\n'
-    "from kda_moe.processing import KdaMoeImageProcessor, KdaMoeProcessor  # noqa: F401\n"
-)
-
 
 class KdaMoeProcessor(ProcessorMixin):
     r"""
@@ -160,20 +150,14 @@ class KdaMoeProcessor(ProcessorMixin):
         return ["input_ids", "attention_mask", *self.image_processor.model_input_names]
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`ProcessorMixin.save_pretrained`, plus an `auto_map` and a one-line module importing this package, so the
-        folder also loads with `AutoProcessor.from_pretrained(..., trust_remote_code=True)` without `import kda_moe`."""
-        saved = super().save_pretrained(save_directory, *args, **kwargs)
-        folder = Path(save_directory)
-        for name in ("processor_config.json", "preprocessor_config.json"):
-            path = folder / name
-            if path.exists():
-                config = json.loads(path.read_text())
-                config["auto_map"] = {**config.get("auto_map", {}), **REMOTE_CODE_CLASSES}
-                if name == "processor_config.json":
-                    config.setdefault("processor_class", type(self).__name__)
-                path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (folder / "processing_kda_moe.py").write_text(REMOTE_CODE_MODULE)
-        return saved
+        """`ProcessorMixin.save_pretrained`, plus the package source the processor runs (flattened, named by the
+        `auto_map` of `processor_config.json` and of its image processor entry), so `AutoProcessor` and
+        `AutoImageProcessor` `.from_pretrained(folder, trust_remote_code=True)` load it where kda_moe is not installed."""
+        self.auto_map = write_remote_code(
+            save_directory, {"AutoProcessor": KdaMoeProcessor, "AutoImageProcessor": KdaMoeImageProcessor}
+        )
+        self.image_processor.auto_map = {"AutoImageProcessor": self.auto_map["AutoImageProcessor"]}
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 __all__ = ["KdaMoeProcessor"]

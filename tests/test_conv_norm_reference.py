@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_moe.kernels import gated_rms_norm, short_conv, short_conv_step
+from kda_moe.kernels.conv import short_conv, short_conv_step
+from kda_moe.kernels.norm import gated_rms_norm
 
 C, W = 6, 4
 

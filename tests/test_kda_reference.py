@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from kda_moe.kernels import kda_decode_step, kimi_delta_attention
-from kda_moe.kernels.kda import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
+from kda_moe.kernels.kda import chunk_kda, kda_decode_step, kda_gate, kda_step, kimi_delta_attention, l2norm, recurrent_kda
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive")
 fla_gate = pytest.importorskip("fla.ops.kda.gate")
@@ -247,8 +246,6 @@ def test_decode_step_rejects_inputs_that_are_not_one_token_of_its_state():
 def test_every_reference_path_returns_the_output_in_v_dtype_and_the_state_in_fp32():
     """bf16 inputs with an fp32 state: the token-by-token, chunked and single-step references, and the public ops on
     the torch backend (T = 1 goes token by token), all return o in v's dtype and the state in fp32."""
-    from kda_moe.kernels.kda import kda_decode_step, kimi_delta_attention
-
     q, k, v, g, beta = (t.to(torch.bfloat16) for t in activated_inputs(2, 3))
     S0 = torch.randn(2, H, K, V)
     o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.25, S0)

@@ -19,7 +19,6 @@ import triton.language as tl  # noqa: E402
 
 from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
-from kda_moe.kernels import backend  # noqa: E402
 from kda_moe.kernels.kda import kda_decode_step, kimi_delta_attention  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
 from kda_moe.kernels.kda.chunk_tiles import as_mma_reads  # noqa: E402
@@ -286,9 +285,11 @@ def test_model_generates_through_the_triton_kernels_like_the_reference(monkeypat
     """Prefill through the chunked kernels, then one decode-kernel step per KDA layer and new token."""
     from conftest import tiny_model
 
+    from kda_moe.kernels import kda
+
     steps = []
-    decode = backend.triton_op("kda_decode_step")
-    monkeypatch.setitem(backend._TRITON_OPS, "kda_decode_step", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
+    decode = kda.kda_decode_step_triton
+    monkeypatch.setattr(kda, "kda_decode_step_triton", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
     models = [tiny_model(seed=0, kernel_backend=b, linear_head_dim=16) for b in ("triton", "torch")]
     input_ids = torch.randint(1, models[0].config.vocab_size, (2, 7))
     with torch.no_grad():

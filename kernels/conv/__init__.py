@@ -2,14 +2,12 @@
 
 import torch
 
-from ..backend import resolve_backend, triton_op
-from . import reference
+from ..backend import TRITON_AVAILABLE, resolve_backend
 from .reference import ACTIVATIONS
+from .reference import short_conv as short_conv_reference, short_conv_step as short_conv_step_reference
 
-try:  # registers the Triton kernels; machines without Triton (CPU wheels of torch) keep the reference
-    from . import causal_conv  # noqa: F401
-except ImportError:
-    pass
+if TRITON_AVAILABLE:
+    from .causal_conv import short_conv_step_triton, short_conv_triton
 
 
 def _check_inputs(x, weight, state, activation, batch_dims, state_batch, name):
@@ -49,9 +47,9 @@ def short_conv(
     kwargs = dict(
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, activation=activation
     )
-    if resolve_backend(backend, x, weight, op="short_conv") == "triton":
-        return triton_op("short_conv")(x, weight, **kwargs)
-    return reference.short_conv(x, weight, **kwargs)
+    if resolve_backend(backend, x, weight) == "triton":
+        return short_conv_triton(x, weight, **kwargs)
+    return short_conv_reference(x, weight, **kwargs)
 
 
 def short_conv_step(
@@ -60,9 +58,9 @@ def short_conv_step(
     """One decoding step. x: ``[B, C]``; weight: ``[C, W]``; state: ``[B, C, W-1]`` updated IN PLACE
     (fixed address). Returns y ``[B, C]`` in x.dtype."""
     _check_inputs(x, weight, state, activation, 1, x.shape[0], "state")
-    if resolve_backend(backend, x, weight, state, op="short_conv_step") == "triton":
-        return triton_op("short_conv_step")(x, weight, state, activation)
-    return reference.short_conv_step(x, weight, state, activation)
+    if resolve_backend(backend, x, weight, state) == "triton":
+        return short_conv_step_triton(x, weight, state, activation)
+    return short_conv_step_reference(x, weight, state, activation)
 
 
 __all__ = ["short_conv", "short_conv_step"]

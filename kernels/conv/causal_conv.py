@@ -9,9 +9,8 @@ Fp32 math; y in x.dtype; states in x.dtype. Every kernel is a ``torch.library.cu
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
-from ..backend import op_for_call, register_triton_op
+
+from ..backend import op_for_call, tl, triton
 
 BT = 64
 BC = 128
@@ -281,6 +280,3 @@ def short_conv_step_triton(x, weight, state, activation="silu"):
         raise ValueError("short_conv_step needs a kernel of width >= 2")
     return op_for_call(short_conv_step_op, _conv_step)(x.contiguous(), weight.contiguous(), state, activation == "silu")
 
-
-register_triton_op("short_conv", short_conv_triton)
-register_triton_op("short_conv_step", short_conv_step_triton)

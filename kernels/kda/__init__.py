@@ -2,14 +2,13 @@
 
 import torch
 
-from ..backend import resolve_backend, triton_op
+from ..backend import TRITON_AVAILABLE, resolve_backend
 from .reference import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
 from .tile_limits import fits_triton_tiles
 
-try:  # registers the Triton kernels; machines without Triton (CPU wheels of torch) keep the reference
-    from . import chunk, recurrent  # noqa: F401
-except ImportError:
-    pass
+if TRITON_AVAILABLE:
+    from .chunk import chunk_kda_triton
+    from .recurrent import kda_decode_step_triton
 
 
 def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound):
@@ -75,8 +74,8 @@ def kimi_delta_attention(
     into B == 1. Returns ``(o [B, T, H, V] in v.dtype, final_state [B or N, H, K, V] fp32 or None)``."""
     _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound)
     supported = fits_triton_tiles(q.shape[-1], v.shape[-1])
-    if resolve_backend(backend, q, k, v, g, beta, op="kda", supported=supported) == "triton":
-        return triton_op("kda")(
+    if resolve_backend(backend, q, k, v, g, beta, supported=supported) == "triton":
+        return chunk_kda_triton(
             q, k, v, g, beta, A_log, dt_bias, gate_lower_bound=gate_lower_bound, scale=scale,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         )
@@ -122,9 +121,9 @@ def kda_decode_step(
     q, k, g, v = (t.reshape(B, 1, H, -1) for t in (q, k, g, v))
     _check_inputs(q, k, v, g, beta.reshape(B, 1, H), A_log, dt_bias, state, None, gate_lower_bound)
     supported = fits_triton_tiles(K, V) and state.dtype == torch.float32 and state.is_contiguous()
-    if resolve_backend(backend, q, k, v, g, beta, state, op="kda_decode_step", supported=supported) == "triton":
-        o = triton_op("kda_decode_step")(q, k, v, g, beta.reshape(B, H), A_log, dt_bias, state,
-                                         gate_lower_bound=gate_lower_bound, scale=scale)
+    if resolve_backend(backend, q, k, v, g, beta, state, supported=supported) == "triton":
+        o = kda_decode_step_triton(q, k, v, g, beta.reshape(B, H), A_log, dt_bias, state,
+                                   gate_lower_bound=gate_lower_bound, scale=scale)
     else:
         o, new_state = kimi_delta_attention(q, k, v, g, beta.reshape(B, 1, H), A_log, dt_bias,
                                             gate_lower_bound=gate_lower_bound, scale=scale, initial_state=state,

@@ -24,11 +24,11 @@ from typing import Optional
 
 import torch
 
+from ..backend import op_for_call
 from .chunk_bwd import chunk_kda_bwd
 from .chunk_fwd import chunk_kda_fwd, storage_dtype
 from .chunk_tiles import BT
 from .tile_limits import require_triton_tiles
-from ..backend import op_for_call, register_triton_op
 
 _EMPTY = (0,)
 
@@ -145,5 +145,3 @@ def chunk_kda_triton(
                                                        keep_scores)
     return o, (ht if output_final_state else None)
 
-
-register_triton_op("kda", chunk_kda_triton)

@@ -22,9 +22,8 @@
 """
 
 import torch
-import triton
-import triton.language as tl
 
+from ..backend import tl, triton
 from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch, storage_dtype
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_grads,
                           fast_diag, gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)

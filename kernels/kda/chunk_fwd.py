@@ -21,9 +21,8 @@ state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k 
 """
 
 import torch
-import triton
-import triton.language as tl
 
+from ..backend import tl, triton
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_scores,
                           fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
                           scan_start, tile_ends, tile_references, unit_lower_inverse)

@@ -19,8 +19,7 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
   with the pairwise decay (the safe path the bounded gate exists to avoid).
 """
 
-import triton
-import triton.language as tl
+from ..backend import tl, triton
 
 BT = tl.constexpr(64)  # chunk length (a constexpr so kernels can read it; host code uses BT.value)
 SAFE_LOWER_BOUND = 5.9  # |gate_lower_bound| up to which the diagonal tiles are dense GEMMs

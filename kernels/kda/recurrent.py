@@ -13,12 +13,10 @@ The kernel is bound by the state traffic (read + write ``B*H*K*V*4`` bytes); eac
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from ..backend import op_for_call, tl, triton
 from .chunk_tiles import gate as _gate
 from .tile_limits import require_triton_tiles
-from ..backend import op_for_call, register_triton_op
 
 # launch knobs (benchmarks/kda.py times the alternatives at batch 256): on an H200 (2026-12-03) 64-wide V tiles at 4
 # warps took 0.137 ms against 0.142 ms for 32-wide ones, 92% of the copy bandwidth
@@ -88,5 +86,3 @@ def kda_decode_step_triton(q, k, v, g, beta, A_log, dt_bias, state, *, gate_lowe
     o = op_for_call(kda_decode_step_op, _decode_step)(q, k, v, g, beta, A_log, dt_bias, state, lb, scale)
     return o.unsqueeze(1) if squeeze else o
 
-
-register_triton_op("kda_decode_step", kda_decode_step_triton)

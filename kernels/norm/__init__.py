@@ -2,13 +2,11 @@
 
 import torch
 
-from ..backend import resolve_backend, triton_op
-from . import reference
+from ..backend import TRITON_AVAILABLE, resolve_backend
+from .reference import gated_rms_norm as gated_rms_norm_reference
 
-try:  # registers the Triton kernel; machines without Triton (CPU wheels of torch) keep the reference
-    from . import gated_rms_norm_kernel  # noqa: F401
-except ImportError:
-    pass
+if TRITON_AVAILABLE:
+    from .gated_rms_norm_kernel import gated_rms_norm_triton
 
 
 def gated_rms_norm(
@@ -21,9 +19,9 @@ def gated_rms_norm(
             f"gate must have the shape of x {tuple(x.shape)} and weight be [D] = [{x.shape[-1]}], "
             f"got {tuple(gate.shape)} and {tuple(weight.shape)}."
         )
-    if resolve_backend(backend, x, gate, weight, op="gated_rms_norm") == "triton":
-        return triton_op("gated_rms_norm")(x, gate, weight, eps)
-    return reference.gated_rms_norm(x, gate, weight, eps)
+    if resolve_backend(backend, x, gate, weight) == "triton":
+        return gated_rms_norm_triton(x, gate, weight, eps)
+    return gated_rms_norm_reference(x, gate, weight, eps)
 
 
 __all__ = ["gated_rms_norm"]

@@ -6,9 +6,8 @@ Both directions are ``torch.library.custom_op``s with fake implementations.
 """
 
 import torch
-import triton
-import triton.language as tl
-from ..backend import op_for_call, register_triton_op
+
+from ..backend import op_for_call, tl, triton
 
 ROWS = 16
 
@@ -107,5 +106,3 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     return op_for_call(gated_rms_norm_fwd_op, _norm_fwd)(x.contiguous(), gate.contiguous(), weight.contiguous(),
                                                         float(eps))
 
-
-register_triton_op("gated_rms_norm", gated_rms_norm_triton)
