@@ -17,6 +17,7 @@ from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from .configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
 from .modeling import (
+    KdaMoeCache,
     KdaMoeForCausalLM,
     KdaMoeForConditionalGeneration,
     KdaMoeModel,
@@ -41,6 +42,7 @@ AutoProcessor.register(KdaMoeConfig, KdaMoeProcessor, exist_ok=True)
 
 __all__ = [
     "KdaMoeTextConfig",
+    "KdaMoeCache",
     "KdaMoePreTrainedModel",
     "KdaMoeTextModel",
     "KdaMoeForCausalLM",

@@ -1,7 +1,7 @@
 """Modeling: the text decoder (`modeling_kda_moe.py`) and checkpoint-layout conversions (`conversion.py`)."""
 
 from . import conversion  # noqa: F401  (registers the Kimi Linear checkpoint conversions for our model_type)
-from .modeling_kda_moe import KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
+from .modeling_kda_moe import KdaMoeCache, KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
 from .modeling_kda_moe_vision import (
     KdaMoeForConditionalGeneration,
     KdaMoeModel,
@@ -11,6 +11,7 @@ from .modeling_kda_moe_vision import (
 )
 
 __all__ = [
+    "KdaMoeCache",
     "KdaMoePreTrainedModel",
     "KdaMoeTextModel",
     "KdaMoeForCausalLM",
