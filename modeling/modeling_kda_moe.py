@@ -993,6 +993,16 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             drafted = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens
             cache.activate_past_recording(recurrent_states_to_keep=drafted)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused: transformers' continuous batching (`generate_batch`, `cache_implementation="paged"`) pages
+        attention keys and values, and has no place for the recurrent state of KDA layers."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support continuous batching (`generate_batch`, "
+            "`init_continuous_batching`, `cache_implementation='paged'`): its paged cache holds attention keys and "
+            "values only, not the recurrent state of KDA layers. Call `generate()` on a padded batch instead, e.g. "
+            "`model.generate(**tokenizer(prompts, padding=True, padding_side='left', return_tensors='pt'))`."
+        )
+
     def _init_weights(self, module):
         if isinstance(module, KdaMoePseudoQuery):
             init.zeros_(module.weight)  # zero pseudo-queries: every AttnRes mixture starts as the plain average
