@@ -875,6 +875,14 @@ class KdaMoeAttnRes(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class KdaMoeAttentionWeights(nn.Module):
+    """Passes a layer's attention weights through: the module whose outputs `output_attentions` records, so there is
+    one entry per layer (KDA layers pass None: they have no attention weights) and the index is the layer number."""
+
+    def forward(self, attn_weights: torch.Tensor | None) -> torch.Tensor | None:
+        return attn_weights
+
+
 class KdaMoeDecoderLayer(GradientCheckpointingLayer):
     """Token mixer (KDA or gated MLA) and channel mixer (dense MLP or LatentMoE), pre-norm.
 
@@ -895,6 +903,7 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
             self.mlp = KdaMoeSparseMoeBlock(config)
         else:
             self.mlp = KdaMoeMLP(config, config.intermediate_size)
+        self.attention_weights = KdaMoeAttentionWeights()
         self.input_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         block_size = config.attn_res_block_size
@@ -921,10 +930,12 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
         normed = self.input_layernorm(mixed)
         if self.layer_type == "linear_attention":
             update = self.self_attn(normed, attention_mask=attention_mask, cache=cache, cu_seqlens=cu_seqlens)
+            attn_weights = None
         else:
-            update, _ = self.self_attn(
+            update, attn_weights = self.self_attn(
                 normed, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache, **kwargs
             )
+        self.attention_weights(attn_weights)
         partial = update if self.starts_block else partial + update
 
         mixed = partial if self.mlp_res is None else self.mlp_res(partial, blocks)
@@ -968,7 +979,7 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "router_logits": OutputRecorder(KdaMoeRouter, index=0),
         "hidden_states": OutputRecorder(KdaMoeDecoderLayer, index=0),
-        "attentions": OutputRecorder(KdaMoeAttention, index=1),
+        "attentions": OutputRecorder(KdaMoeAttentionWeights),
     }
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
 
