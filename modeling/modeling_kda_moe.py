@@ -982,6 +982,9 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(KdaMoeAttentionWeights),
     }
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
+    # The checkpoint conversions `save_pretrained` undoes: `from_pretrained` sets those it applied; a model built in
+    # memory has none, so it saves our layout (see `conversion.py`).
+    _weight_conversions = ()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """generate()'s default cache is a `KdaMoeCache` (transformers would build a `DynamicCache`); for assisted
