@@ -851,7 +851,9 @@ class KdaMoeAttnRes(nn.Module):
     """Softmax mixture over depth of the stored block summaries and the running partial sum.
 
     `w = norm.weight * proj.weight` is the effective pseudo-query (zero at init: uniform mixing); keys are the
-    RMS-normalised values, the mixture is taken over the raw values, all in fp32.
+    RMS-normalised values, the mixture is taken over the raw values, all in fp32, also under autocast: a bf16
+    `keys @ query` makes a row's mixture depend on where the row sits in the batch, which RL trainers that re-order
+    rows between rollout and training see as an importance ratio != 1.
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -863,11 +865,12 @@ class KdaMoeAttnRes(nn.Module):
         """partial [B, T, d], blocks [N, B, T, d] or None -> [B, T, d]."""
         if blocks is None:
             return partial
-        values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
-        query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
-        weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
-        return (weights[..., None] * values).sum(0).to(partial.dtype)
+        with torch.autocast(partial.device.type, enabled=False):
+            values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
+            keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+            query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
+            weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
+            return (weights[..., None] * values).sum(0).to(partial.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
