@@ -140,8 +140,8 @@ def linear_attention_states(cache, layer_idx: int) -> tuple[torch.Tensor | None,
 
 
 def store_linear_attention_states(cache, layer_idx: int, conv_state, recurrent_state, new_tokens: int):
-    """Cache a KDA layer's final conv state ``[B, D, W]`` and recurrent state after a forward over ``new_tokens``
-    tokens.
+    """Store a KDA layer's final conv state ``[B, D, W]`` and recurrent state after a forward over ``new_tokens``
+    tokens in a transformers cache the caller built (a `KdaMoeCache` takes them through its own layers).
 
     From 5.25 a linear-attention cache layer counts the tokens it has seen (its `get_seq_length`, which
     `generate()` reads from layer 0 to know how much of `input_ids` is already cached) by the width of each

@@ -494,7 +494,7 @@ class KdaMoeDeltaAttention(nn.Module):
             state = per_token[0].new_zeros(batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
         states = [state]
         for t in range(first, seq_len):
-            state = state.clone()
+            state = state.clone(memory_format=torch.contiguous_format)  # the decode kernels update it in place
             outputs.append(kda_decode_step(*(x[:, t : t + 1] for x in per_token), *parameters, state, **options))
             states.append(state)
         return torch.cat(outputs, dim=1), states

@@ -4,10 +4,9 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import tiny_model
 from transformers import DynamicCache, GenerationConfig
 
-from kda_moe import KdaMoeForCausalLM
 from kda_moe.compat import CACHE_NAME, output_cache
 
 
