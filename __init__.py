@@ -17,6 +17,7 @@ from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from .configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
 from .modeling import (
+    KdaMoeCache,
     KdaMoeForCausalLM,
     KdaMoeForConditionalGeneration,
     KdaMoeModel,
@@ -36,11 +37,14 @@ AutoConfig.register(KdaMoeConfig.model_type, KdaMoeConfig, exist_ok=True)
 AutoModel.register(KdaMoeVisionConfig, KdaMoeVisionModel, exist_ok=True)
 AutoModel.register(KdaMoeConfig, KdaMoeModel, exist_ok=True)
 AutoModelForImageTextToText.register(KdaMoeConfig, KdaMoeForConditionalGeneration, exist_ok=True)
+# A multimodal folder through AutoModelForCausalLM gives the whole generative model, as transformers does for Gemma 3
+AutoModelForCausalLM.register(KdaMoeConfig, KdaMoeForConditionalGeneration, exist_ok=True)
 AutoImageProcessor.register(KdaMoeConfig, slow_image_processor_class=KdaMoeImageProcessor, exist_ok=True)
 AutoProcessor.register(KdaMoeConfig, KdaMoeProcessor, exist_ok=True)
 
 __all__ = [
     "KdaMoeTextConfig",
+    "KdaMoeCache",
     "KdaMoePreTrainedModel",
     "KdaMoeTextModel",
     "KdaMoeForCausalLM",

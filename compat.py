@@ -1,7 +1,7 @@
 """Small helpers that hide differences between the transformers / huggingface_hub versions we support.
 
-Every version switch of the package lives here, one small function or constant each (SPEC: "transformers
-versions we support"). Supported: transformers 5.17 (huggingface_hub 1.x) up to the latest 5.x.
+Every version switch of the package lives here, one small function or constant each. Supported: transformers 5.17
+(huggingface_hub 1.x) up to the latest 5.x.
 """
 
 from dataclasses import fields as _dataclass_fields
@@ -10,6 +10,7 @@ from functools import wraps
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers.modeling_outputs import MoeModelOutputWithPast as _MoeModelOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
 
 
 class ConfigValidationError(StrictDataclassError, ValueError):
@@ -88,23 +89,28 @@ except ImportError:
 # transformers renamed the cache argument and output field `past_key_values` -> `cache` (5.24 has `cache`, 5.17
 # `past_key_values`); generate() passes the name of its own version.
 CACHE_NAME = "cache" if "cache" in {f.name for f in _dataclass_fields(_MoeModelOutputWithPast)} else "past_key_values"
-_LEGACY_CACHE_NAMES = ("past_key_values", "cache_params")
 
+if CACHE_NAME == "cache":
 
-def accepts_legacy_cache_name(forward):
-    """Let a `forward(..., cache=...)` also take the cache as `past_key_values=` (what generate() of transformers
-    <= 5.2x passes), silently: both spellings are legitimate depending on the installed version."""
+    def accepts_legacy_cache_name(forward):
+        """Let a `forward(..., cache=...)` also take `past_key_values=`, with the FutureWarning that transformers' own
+        models give for it (their `deprecate_kwarg`, the same removal version)."""
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
-    @wraps(forward)
-    def wrapper(self, *args, **kwargs):
-        for name in _LEGACY_CACHE_NAMES:
-            if name in kwargs:
-                legacy = kwargs.pop(name)
-                if kwargs.get("cache") is None:
-                    kwargs["cache"] = legacy
-        return forward(self, *args, **kwargs)
+else:
 
-    return wrapper
+    def accepts_legacy_cache_name(forward):
+        """Let a `forward(..., cache=...)` also take `past_key_values=`, silently: it is the name this version's
+        generate() and models use."""
+
+        @wraps(forward)
+        def wrapper(self, *args, **kwargs):
+            if "past_key_values" in kwargs:
+                legacy = kwargs.pop("past_key_values")
+                kwargs["cache"] = legacy if kwargs.get("cache") is None else kwargs["cache"]
+            return forward(self, *args, **kwargs)
+
+        return wrapper
 
 
 def model_output(output_class, *, cache=None, **values):
@@ -147,8 +153,8 @@ def cached_token_count(cache) -> int | None:
 
 
 def store_linear_attention_states(cache, layer_idx: int, conv_state, recurrent_state, new_tokens: int):
-    """Cache a KDA layer's final conv state ``[B, D, W]`` and recurrent state after a forward over ``new_tokens``
-    tokens.
+    """Store a KDA layer's final conv state ``[B, D, W]`` and recurrent state after a forward over ``new_tokens``
+    tokens in a transformers cache the caller built (a `KdaMoeCache` takes them through its own layers).
 
     From 5.25 a linear-attention cache layer counts the tokens it has seen (its `get_seq_length`, which
     `generate()` reads from layer 0 to know how much of `input_ids` is already cached) by the width of each

@@ -1,7 +1,7 @@
 """Modeling: the text decoder (`modeling_kda_moe.py`) and checkpoint-layout conversions (`conversion.py`)."""
 
 from .conversion import kimi_linear_conversions  # noqa: F401  (importing it registers the Kimi Linear conversions)
-from .modeling_kda_moe import KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
+from .modeling_kda_moe import KdaMoeCache, KdaMoeForCausalLM, KdaMoePreTrainedModel, KdaMoeTextModel
 from .modeling_kda_moe_vision import (
     KdaMoeForConditionalGeneration,
     KdaMoeModel,
@@ -11,6 +11,7 @@ from .modeling_kda_moe_vision import (
 )
 
 __all__ = [
+    "KdaMoeCache",
     "KdaMoePreTrainedModel",
     "KdaMoeTextModel",
     "KdaMoeForCausalLM",

@@ -1,34 +1,37 @@
-"""Checkpoint-layout conversions: load Kimi Linear checkpoints into `KdaMoeForCausalLM`, save in our own layout.
+"""Checkpoint-layout conversions between Kimi Linear checkpoints and `KdaMoeForCausalLM`, both ways.
 
-`KdaMoeForCausalLM.from_pretrained(folder)` reads three weight layouts (SPEC, "Checkpoint formats"); the renames
-and merges are transformers' weight-conversion machinery, registered for our `model_type` at import:
+`KdaMoeForCausalLM.from_pretrained(folder)` reads three weight layouts; the renames and merges are transformers'
+weight-conversion machinery, registered for our `model_type` at import:
 
-- ours: loads as is (only `A_log` passes through a no-op reshape);
+- ours: loads as is;
 - transformers' native `kimi_linear` model as it sits in memory (`save_pretrained(..., save_original_format=False)`):
   the forget gate is its own module (`self_attn.forget_gate.{f_a_proj, f_b_proj, dt_bias, A_log}`) and `A_log` is
   `[1, 1, H, 1]`;
 - the published remote-code layout of `moonshotai/Kimi-Linear-48B-A3B`, which is also what
-  `KimiLinearForCausalLM.save_pretrained` writes by default (it reverts transformers' own `kimi_linear` mapping):
-  flat `self_attn.{f_a_proj, f_b_proj, dt_bias, A_log}`, one depthwise conv per stream
-  (`self_attn.{q,k,v}_conv1d.weight`, `[H*K, 1, W]` each), the MoE block under `block_sparse_moe.` (transformers'
-  save puts the dense MLP there too), experts one module each (`experts.{j}.w1/w3/w2` = gate / up / down).
+  `KimiLinearForCausalLM.save_pretrained` writes by default: flat `self_attn.{f_a_proj, f_b_proj, dt_bias, A_log}`,
+  one depthwise conv per stream (`self_attn.{q,k,v}_conv1d.weight`, `[H*K, 1, W]` each), the MoE block under
+  `block_sparse_moe.` (transformers' save puts the dense MLP there too), experts one module each
+  (`experts.{j}.w1/w3/w2` = gate / up / down).
 
-Per decoder layer, published / native name -> ours:
+Per decoder layer, Kimi Linear name -> ours:
 
-    self_attn.forget_gate.X                 -> self_attn.X               (X: f_a_proj, f_b_proj, dt_bias, A_log)
-    block_sparse_moe.                       -> mlp.
-    self_attn.{q,k,v}_conv1d.weight         -> self_attn.conv1d.weight   q | k | v concatenated: [3*H*K, 1, W]
-    mlp.experts.{j}.w1.weight, .w3.weight   -> mlp.experts.gate_up_proj  [E, 2I, d] (gate rows, then up rows)
-    mlp.experts.{j}.w2.weight               -> mlp.experts.down_proj     [E, d, I]
-    self_attn.A_log [1, 1, H, 1]            -> self_attn.A_log [H]
+    self_attn.forget_gate.X                   -> self_attn.X             (X: f_a_proj, f_b_proj, dt_bias, A_log)
+    block_sparse_moe.{gate, experts, shared_experts}.  -> mlp.{...}.
+    block_sparse_moe.{gate,up,down}_proj.     -> mlp.{...}_proj.         (a dense MLP saved by transformers)
+    self_attn.{q,k,v}_conv1d.weight           -> self_attn.conv1d.weight  q | k | v concatenated: [3*H*K, 1, W]
+    experts.{j}.w1.weight, experts.{j}.w3.weight -> experts.gate_up_proj  [E, 2I, d] (gate rows, then up rows)
+    experts.{j}.w2.weight                     -> experts.down_proj        [E, d, I]
+    A_log [1, 1, H, 1]                        -> A_log [H]
 
 The config side (`linear_attn_config`, `first_k_dense_replace`, `num_experts_per_token`, ...) is handled by
 `KdaMoeTextConfig._from_kimi_linear_keys`.
 
-Saving: transformers reverts the conversions a model was loaded with (`save_pretrained(save_original_format=True)`,
-the default), and for a model built from scratch it reverts every conversion registered for its `model_type`. Ours
-are load-only: their reverse matches no key, so `save_pretrained` always writes our own layout and a saved folder
-reloads through any code path (also `trust_remote_code=True`) without conversion.
+Saving: `save_pretrained` (with transformers' default `save_original_format=True`) undoes the conversions a model
+was loaded with, so a model loaded from a Kimi Linear layout writes that layout back, and one loaded from ours (or
+built in memory: `KdaMoePreTrainedModel._weight_conversions` is empty) writes ours. `save_original_format=False`
+always writes ours. Only the `A_log` key is the same in our layout and the published one, so a checkpoint of ours
+also goes through `FlattenHeads` when loaded; its reverse restores `[1, 1, H, 1]` only for a model whose loading
+used some other conversion, i.e. came from a Kimi Linear layout.
 """
 
 import torch
@@ -44,77 +47,72 @@ from transformers.core_model_loading import (
 from ..configuration import KdaMoeTextConfig
 
 
+def loaded_from_kimi_linear(model) -> bool:
+    """Whether `model` was loaded from a Kimi Linear layout: its loading used a conversion other than `A_log`'s."""
+    return any(
+        not isinstance(conversion, WeightConverter) or not isinstance(conversion.operations[0], FlattenHeads)
+        for conversion in getattr(model, "_weight_conversions", None) or ()
+    )
+
+
 class FlattenHeads(ConversionOps):
-    """`A_log` stored broadcast-ready as `[1, 1, H, 1]` (Kimi Linear) -> our `[H]`; an `[H]` tensor stays as it is."""
+    """`A_log` as Kimi Linear stores it, broadcast-ready `[1, 1, H, 1]` -> our `[H]`; an `[H]` tensor stays as it is."""
 
     @torch.no_grad()
-    def convert(
-        self,
-        input_dict: dict[str, list[torch.Tensor]],
-        source_patterns: list[str],
-        target_patterns: list[str],
-        **kwargs,
-    ) -> dict[str, torch.Tensor]:
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         tensor = tensors[0] if isinstance(tensors, list) else tensors
         return {target_patterns[0]: tensor.reshape(-1)}
 
-
-class _KeepOurLayoutOnSave(WeightRenaming):
-    """The reverse of a load-only transform: matches no key, so saving leaves our parameter names as they are."""
-
-    __slots__ = ()
-
-    def __init__(self, *args, **kwargs):  # also when transformers copies it (`copy(source_patterns, target_patterns)`)
-        super().__init__(source_patterns="kda_moe_keeps_its_layout", target_patterns="kda_moe_keeps_its_layout")
-
-    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
-        return source_key, None
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return BroadcastHeads()
 
 
-class LoadOnlyRenaming(WeightRenaming):
-    """A `WeightRenaming` applied when loading only (see the module docstring, "Saving")."""
+class BroadcastHeads(ConversionOps):
+    """The reverse of `FlattenHeads` when saving: `[H]` -> `[1, 1, H, 1]` for a model loaded from a Kimi Linear
+    layout; a model loaded from ours keeps `[H]` (see the module docstring, "Saving")."""
 
-    __slots__ = ()
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, model=None, **kwargs) -> dict[str, torch.Tensor]:
+        (tensors,) = input_dict.values()
+        tensor = tensors[0] if isinstance(tensors, list) else tensors
+        if loaded_from_kimi_linear(model):
+            tensor = tensor.reshape(1, 1, -1, 1)
+        return {target_patterns[0]: tensor}
 
-    def reverse_transform(self) -> WeightRenaming:
-        return _KeepOurLayoutOnSave()
-
-
-class LoadOnlyConverter(WeightConverter):
-    """A `WeightConverter` applied when loading only (see the module docstring, "Saving")."""
-
-    __slots__ = ()
-
-    def reverse_transform(self) -> WeightRenaming:
-        return _KeepOurLayoutOnSave()
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return FlattenHeads()
 
 
 def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
-    """The transforms, in transformers' order: every matching renaming applies, then at most one converter."""
+    """The transforms, in transformers' order: every matching renaming applies, then at most one converter.
+
+    Saving runs them backwards, each target pattern becoming a regex: their dots are escaped, so `.mlp.gate.` never
+    matches `.mlp.gate_proj.` nor `.experts.` `shared_experts.`; converter patterns leave out the parts of a name that
+    renamings change, so both directions compose on every supported version.
+    """
     return [
-        LoadOnlyRenaming(source_patterns=r"self_attn\.forget_gate\.", target_patterns="self_attn."),
-        LoadOnlyRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
-        LoadOnlyConverter(
+        WeightRenaming(r"self_attn\.forget_gate\.(f_a_proj|f_b_proj|dt_bias|A_log)", r"self_attn\.\1"),
+        WeightRenaming(r"\.block_sparse_moe\.(gate|experts|shared_experts)\.", r"\.mlp\.\1\."),
+        WeightRenaming(r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\.mlp\.\1\."),
+        WeightConverter(
             source_patterns=["self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight"],
             target_patterns="self_attn.conv1d.weight",
             operations=[Concatenate(dim=0)],
         ),
-        LoadOnlyConverter(
-            source_patterns=["mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"],
-            target_patterns="mlp.experts.gate_up_proj",
+        WeightConverter(
+            source_patterns=[r"\.experts.*.w1.weight", r"\.experts.*.w3.weight"],
+            target_patterns=r"\.experts\.gate_up_proj",
             operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
         ),
-        LoadOnlyConverter(
-            source_patterns="mlp.experts.*.w2.weight",
-            target_patterns="mlp.experts.down_proj",
+        WeightConverter(
+            source_patterns=r"\.experts.*.w2.weight",
+            target_patterns=r"\.experts\.down_proj",
             operations=[MergeModulelist(dim=0)],
         ),
-        LoadOnlyConverter(
-            source_patterns="self_attn.A_log",
-            target_patterns="self_attn.A_log",
-            operations=[FlattenHeads()],
-        ),
+        WeightConverter(source_patterns="A_log", target_patterns="A_log", operations=[FlattenHeads()]),
     ]
 
 
@@ -123,4 +121,4 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
 # keeps a second import of the package (e.g. under another name) harmless.
 register_checkpoint_conversion_mapping(KdaMoeTextConfig.model_type, kimi_linear_conversions(), overwrite=True)
 
-__all__ = ["FlattenHeads", "LoadOnlyConverter", "LoadOnlyRenaming", "kimi_linear_conversions"]
+__all__ = ["BroadcastHeads", "FlattenHeads", "kimi_linear_conversions", "loaded_from_kimi_linear"]

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation import GenerationMixin, GenerationMode
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -31,6 +32,7 @@ from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..compat import (
+    CACHE_NAME,
     accepts_legacy_cache_name,
     cached_token_count,
     linear_attention_states,
@@ -296,6 +298,136 @@ class KdaMoeAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Cache: MLA latents and KDA states, with the rollback that assisted decoding needs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeLinearAttentionCacheLayer(LinearAttentionLayer):
+    """The cache of one KDA layer: conv state [B, C, W-1] and fp32 recurrent state [B, H, K, V], as the layer's
+    kernels write them, and the number of tokens seen.
+
+    Assisted and prompt-lookup decoding verify a window of drafted tokens in one forward, then `crop` the rejected
+    ones. A recurrent state cannot be run backwards, so while generate() records the past (`activate_past_recording`)
+    the layer also keeps the recurrent state before and after each recent token, and the conv inputs behind them;
+    `crop(-n)` then puts back the states of n tokens before the end, without recomputing anything.
+    """
+
+    is_croppable = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens_seen = 0
+        self.recurrent_states_to_keep: int | None = None
+        self.recurrent_history: list[torch.Tensor] = []  # the state before the recorded tokens, then after each
+        self.conv_history: torch.Tensor | None = None  # [B, C, W-1 + recorded]: the recorded tokens' conv inputs,
+        # after the W-1 before them, so the conv state after any of them is a slice
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs):
+        """Start recording. `recurrent_states_to_keep`: the most tokens one `crop` removes (the draft length);
+        a later call without it keeps the count."""
+        self.record_past = True
+        if recurrent_states_to_keep is not None:
+            self.recurrent_states_to_keep = recurrent_states_to_keep
+
+    def tokens_to_record(self, new_tokens: int) -> int:
+        """How many of a forward's last tokens need their own states kept: none unless recording; all of a window
+        that continues a state (a draft or its verification); of a first forward (the prompt, ending with the first
+        drafts), the last `recurrent_states_to_keep`."""
+        if not self.record_past:
+            return 0
+        if self.has_previous_state[0] or self.recurrent_states_to_keep is None:
+            return new_tokens
+        return min(new_tokens, self.recurrent_states_to_keep)
+
+    def update_states(
+        self,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        new_tokens: int,
+        conv_inputs: torch.Tensor | None = None,
+        token_states: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Take the final states of a forward over `new_tokens` tokens (the kernels' outputs, or the cached tensors
+        they updated in place). While recording also `conv_inputs` [B, T, C] (the forward's conv inputs) and
+        `token_states` (the recurrent state before the forward's last `tokens_to_record` tokens, then after each)."""
+        if token_states is not None:
+            self._record(conv_inputs, token_states, conv_state.shape[-1])
+        self.conv_states[0], self.recurrent_states[0] = conv_state, recurrent_state
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        self.device, self.dtype = conv_state.device, conv_state.dtype
+        self.tokens_seen += new_tokens
+
+    def _record(self, conv_inputs: torch.Tensor, token_states: list[torch.Tensor], width: int) -> None:
+        if self.recurrent_history:  # the new tokens follow the recorded ones
+            conv_history = torch.cat([self.conv_history, conv_inputs.mT], dim=-1)
+            states = self.recurrent_history + token_states[1:]
+        else:
+            previous = self.conv_states[0]
+            if not self.has_previous_state[0]:
+                previous = conv_inputs.new_zeros(conv_inputs.shape[0], conv_inputs.shape[-1], width)
+            conv_history = torch.cat([previous, conv_inputs.mT], dim=-1)
+            states = list(token_states)
+        kept = max(len(token_states) - 1, self.recurrent_states_to_keep or 0)
+        self.recurrent_history = states[-(kept + 1) :]
+        self.conv_history = conv_history[..., -(kept + width) :].clone()  # not a view that holds the whole prompt
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the last `-tokens_to_remove` tokens (transformers passes a count <= 0) to the states recorded
+        before them, and drop the recorded states."""
+        if not self.record_past:
+            raise RuntimeError(
+                "`crop` was called on a KDA cache layer that does not record its past states; call "
+                "`activate_past_recording` before the forward that `crop` should undo."
+            )
+        if tokens_to_remove > 0:
+            raise ValueError(f"KDA cache layers crop by a negative count of tokens to remove, got {tokens_to_remove}.")
+        removed = -tokens_to_remove
+        if removed:
+            if removed >= len(self.recurrent_history):
+                raise ValueError(
+                    f"Cannot roll a KDA cache layer back by {removed} tokens: it recorded the states of its last "
+                    f"{max(len(self.recurrent_history) - 1, 0)} tokens. Pass the draft length to generate() "
+                    f"(`num_assistant_tokens={removed}` or more) so that enough states are kept."
+                )
+            width = self.conv_states[0].shape[-1]
+            self.recurrent_states[0] = self.recurrent_history[-1 - removed]
+            self.conv_states[0] = self.conv_history[..., -removed - width : -removed].contiguous()
+            self.tokens_seen -= removed
+        self.recurrent_history, self.conv_history = [], None
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def reset(self) -> None:
+        super().reset()
+        self.tokens_seen = 0
+        self.recurrent_history, self.conv_history = [], None
+
+
+class KdaMoeCache(DynamicCache):
+    """The model's cache: a `DynamicLayer` (the compressed latent) per MLA layer, a `KdaMoeLinearAttentionCacheLayer`
+    per KDA layer. generate() builds one by default. Every layer counts its tokens, so `get_seq_length` also works on a
+    model without MLA layers, and `crop` rolls KDA layers back (assisted and prompt-lookup decoding)."""
+
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__(config=config)
+        self.layers = [
+            KdaMoeLinearAttentionCacheLayer() if isinstance(layer, LinearAttentionLayer) else layer
+            for layer in self.layers
+        ]
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """Start recording the states `crop` rolls back to (see `KdaMoeLinearAttentionCacheLayer`)."""
+        for layer in self.layers:
+            if isinstance(layer, KdaMoeLinearAttentionCacheLayer):
+                layer.activate_past_recording(recurrent_states_to_keep)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Kimi Delta Attention
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -345,6 +477,33 @@ class KdaMoeDeltaAttention(nn.Module):
             return self.g_proj(hidden_states)
         return self.g_b_proj(self.g_a_proj(hidden_states))
 
+    def delta_rule_with_token_states(
+        self, kda_inputs: tuple[torch.Tensor, ...], initial_state: torch.Tensor | None, recorded: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """KDA over a forward whose last `recorded` tokens keep their own states (assisted decoding's rollback).
+
+        The tokens before them run in the chunked form, then one decoding step per token on a copy of the state.
+        Returns (output [B, T, H, V], the recurrent state before the recorded tokens and after each of them).
+        """
+        per_token, parameters = kda_inputs[:5], kda_inputs[5:]  # (q, k, v, g, beta) [B, T, ...], (A_log, dt_bias)
+        options = dict(gate_lower_bound=self.gate_lower_bound, backend=self.backend)
+        batch_size, seq_len = per_token[0].shape[:2]
+        first = seq_len - recorded
+        outputs, state = [], initial_state
+        if first:
+            output, state = kimi_delta_attention(
+                *(x[:, :first] for x in per_token), *parameters, initial_state=state, output_final_state=True, **options
+            )
+            outputs.append(output)
+        if state is None:
+            state = per_token[0].new_zeros(batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
+        states = [state]
+        for t in range(first, seq_len):
+            state = state.clone(memory_format=torch.contiguous_format)  # the decode kernels update it in place
+            outputs.append(kda_decode_step(*(x[:, t : t + 1] for x in per_token), *parameters, state, **options))
+            states.append(state)
+        return torch.cat(outputs, dim=1), states
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -366,14 +525,18 @@ class KdaMoeDeltaAttention(nn.Module):
             gate_logits = gate_logits.masked_fill(pad, torch.finfo(gate_logits.dtype).min)
             beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
 
-        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        conv_inputs = torch.cat(
+            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
+        )
         conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
+        # assisted decoding: how many of this forward's last tokens keep their own states, for `cache.crop`
+        recorded = cache.layers[self.layer_idx].tokens_to_record(seq_len) if isinstance(cache, KdaMoeCache) else 0
         conv_weight = self.conv1d.weight.squeeze(1)  # [3 * H * K, kernel]
-        if conv_state is not None and seq_len == 1:
-            qkv = short_conv_step(qkv[:, 0], conv_weight, conv_state, backend=self.backend)[:, None]  # state in place
+        if conv_state is not None and seq_len == 1 and not recorded:
+            qkv = short_conv_step(conv_inputs[:, 0], conv_weight, conv_state, backend=self.backend)[:, None]  # in place
         else:
             qkv, conv_state = short_conv(
-                qkv,
+                conv_inputs,
                 conv_weight,
                 initial_state=conv_state,
                 output_final_state=cache is not None,
@@ -383,7 +546,11 @@ class KdaMoeDeltaAttention(nn.Module):
         query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
 
         kda_inputs = (query, key, value, gate_logits.view(head_shape), beta_logits, self.A_log, self.dt_bias)
-        if recurrent_state is not None and seq_len == 1 and not torch.is_grad_enabled():
+        token_states = None
+        if recorded:
+            core_attn_out, token_states = self.delta_rule_with_token_states(kda_inputs, recurrent_state, recorded)
+            recurrent_state = token_states[-1]
+        elif recurrent_state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decoding (generate() runs without autograd): one token per sequence, the cached state updated in place
             core_attn_out = kda_decode_step(
                 *kda_inputs, recurrent_state, gate_lower_bound=self.gate_lower_bound, backend=self.backend
@@ -397,7 +564,11 @@ class KdaMoeDeltaAttention(nn.Module):
                 cu_seqlens=cu_seqlens,
                 backend=self.backend,
             )  # [B, T, H, V], [B, H, K, V] fp32
-        if cache is not None:
+        if isinstance(cache, KdaMoeCache):
+            cache.layers[self.layer_idx].update_states(
+                conv_state, recurrent_state, seq_len, conv_inputs=conv_inputs, token_states=token_states
+            )
+        elif cache is not None:  # a transformers cache built by the caller
             store_linear_attention_states(cache, self.layer_idx, conv_state, recurrent_state, seq_len)
 
         output = self.o_norm(core_attn_out, self.output_gate(hidden_states).view(head_shape))
@@ -685,7 +856,9 @@ class KdaMoeAttnRes(nn.Module):
     """Softmax mixture over depth of the stored block summaries and the running partial sum.
 
     `w = norm.weight * proj.weight` is the effective pseudo-query (zero at init: uniform mixing); keys are the
-    RMS-normalised values, the mixture is taken over the raw values, all in fp32.
+    RMS-normalised values, the mixture is taken over the raw values, all in fp32, also under autocast: a bf16
+    `keys @ query` makes a row's mixture depend on where the row sits in the batch, which RL trainers that re-order
+    rows between rollout and training see as an importance ratio != 1.
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -697,16 +870,25 @@ class KdaMoeAttnRes(nn.Module):
         """partial [B, T, d], blocks [N, B, T, d] or None -> [B, T, d]."""
         if blocks is None:
             return partial
-        values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
-        query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
-        weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
-        return (weights[..., None] * values).sum(0).to(partial.dtype)
+        with torch.autocast(partial.device.type, enabled=False):
+            values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
+            keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+            query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
+            weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
+            return (weights[..., None] * values).sum(0).to(partial.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Decoder layer
 # ----------------------------------------------------------------------------------------------------------------
+
+
+class KdaMoeAttentionWeights(nn.Module):
+    """Passes a layer's attention weights through: the module whose outputs `output_attentions` records, so there is
+    one entry per layer (KDA layers pass None: they have no attention weights) and the index is the layer number."""
+
+    def forward(self, attn_weights: torch.Tensor | None) -> torch.Tensor | None:
+        return attn_weights
 
 
 class KdaMoeDecoderLayer(GradientCheckpointingLayer):
@@ -729,6 +911,7 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
             self.mlp = KdaMoeSparseMoeBlock(config)
         else:
             self.mlp = KdaMoeMLP(config, config.intermediate_size)
+        self.attention_weights = KdaMoeAttentionWeights()
         self.input_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         block_size = config.attn_res_block_size
@@ -755,10 +938,12 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
         normed = self.input_layernorm(mixed)
         if self.layer_type == "linear_attention":
             update = self.self_attn(normed, attention_mask=attention_mask, cache=cache, cu_seqlens=cu_seqlens)
+            attn_weights = None
         else:
-            update, _ = self.self_attn(
+            update, attn_weights = self.self_attn(
                 normed, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache, **kwargs
             )
+        self.attention_weights(attn_weights)
         partial = update if self.starts_block else partial + update
 
         mixed = partial if self.mlp_res is None else self.mlp_res(partial, blocks)
@@ -781,13 +966,46 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = False
     _can_compile_fullgraph = False
-    _is_stateful = True  # recurrent KDA state: no cache cropping / assisted decoding
     _can_record_outputs = {
         "router_logits": OutputRecorder(KdaMoeRouter, index=0),
         "hidden_states": OutputRecorder(KdaMoeDecoderLayer, index=0),
-        "attentions": OutputRecorder(KdaMoeAttention, index=1),
+        "attentions": OutputRecorder(KdaMoeAttentionWeights),
     }
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
+    # The checkpoint conversions `save_pretrained` undoes: `from_pretrained` sets those it applied; a model built in
+    # memory has none, so it saves our layout (see `conversion.py`).
+    _weight_conversions = ()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """generate()'s default cache is a `KdaMoeCache` (transformers would build a `DynamicCache`); for assisted
+        and prompt-lookup decoding it records the states of the drafted tokens, so `crop` can roll KDA layers back."""
+        if (
+            model_kwargs.get(CACHE_NAME) is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+        ):
+            model_kwargs[CACHE_NAME] = KdaMoeCache(self.config)
+        else:
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        cache = model_kwargs.get(CACHE_NAME)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant:
+            if not isinstance(cache, KdaMoeCache):
+                raise ValueError(
+                    f"Assisted and prompt-lookup decoding roll KDA states back, which needs a KdaMoeCache, got a "
+                    f"{type(cache).__name__}. Pass `{CACHE_NAME}=KdaMoeCache(model.config)`, or no cache."
+                )
+            drafted = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens
+            cache.activate_past_recording(recurrent_states_to_keep=drafted)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused: transformers' continuous batching (`generate_batch`, `cache_implementation="paged"`) pages
+        attention keys and values, and has no place for the recurrent state of KDA layers."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support continuous batching (`generate_batch`, "
+            "`init_continuous_batching`, `cache_implementation='paged'`): its paged cache holds attention keys and "
+            "values only, not the recurrent state of KDA layers. Call `generate()` on a padded batch instead, e.g. "
+            "`model.generate(**tokenizer(prompts, padding=True, padding_side='left', return_tensors='pt'))`."
+        )
 
     def __init__(self, config, *inputs, **kwargs):
         config.validate()  # the rules relating fields: an edit after the config was built is checked here
@@ -979,7 +1197,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         if not use_cache:
             cache = None
         elif cache is None:
-            cache = DynamicCache(config=self.config)
+            cache = KdaMoeCache(self.config)
 
         has_mla = "full_attention" in self.config.layer_types  # only MLA layers count the tokens they have seen
         if position_ids is None:
@@ -1065,4 +1283,4 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]
+__all__ = ["KdaMoeCache", "KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]

@@ -4,10 +4,9 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import tiny_model
 from transformers import DynamicCache, GenerationConfig
 
-from kda_moe import KdaMoeForCausalLM
 from kda_moe.compat import CACHE_NAME, output_cache
 
 
@@ -189,3 +188,10 @@ def test_pure_kda_model_decodes_through_its_cache():
         full = model(input_ids).logits
         stepped = decode_in_chunks(model, input_ids, [4, 1, 1, 3])
     assert (stepped - full).abs().max() < 1e-4
+
+
+def test_continuous_batching_is_refused_with_the_padded_generate_alternative(full_model):
+    with pytest.raises(NotImplementedError, match=r"continuous batching.*padded batch"):
+        full_model.generate_batch([[5, 6, 7], [8, 9]])
+    with pytest.raises(NotImplementedError, match=r"continuous batching.*padded batch"):
+        full_model.generate(torch.tensor([[5, 6, 7]]), cache_implementation="paged", max_new_tokens=2)

@@ -25,7 +25,7 @@ NUM_EXPERTS = 8
 def import_kimi_linear_on_torch():
     """transformers' Kimi Linear modeling module, bound to its PyTorch reference functions.
 
-    It binds fla's kernels at import whenever fla is importable, and those fail on CPU tensors (SPEC, "Kernels").
+    It binds fla's kernels at import whenever fla is importable, and those fail on CPU tensors ("0 active drivers").
     Other tests of this session import `fla.ops.kda.*`, so every `fla` entry of `sys.modules` is hidden while a
     fresh copy of the module is imported, then `sys.modules` is put back as it was (fla and any earlier copy).
     """
@@ -239,15 +239,51 @@ def test_kimi_linear_checkpoint_gives_the_greedy_generations_of_transformers_mod
     assert torch.equal(actual, expected)
 
 
-def test_saving_a_converted_checkpoint_writes_our_layout(checkpoint_folders, tmp_path):
-    ours = load_ours(checkpoint_folders["published"])
-    ours.save_pretrained(tmp_path / "resaved")
-    assert safetensors_keys(tmp_path / "resaved") == set(ours.state_dict())
-    reloaded = load_ours(tmp_path / "resaved")
-    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["model_type"] == "kda_moe_text"
-    for (name, tensor), (_, again) in zip(ours.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(tensor, again), name
+def safetensors_tensors(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return tensors
 
-    # A model built from scratch (no loading history) also saves our names, not the reverse of the conversions.
-    KdaMoeForCausalLM(ours.config).save_pretrained(tmp_path / "scratch")
-    assert safetensors_keys(tmp_path / "scratch") == set(ours.state_dict())
+
+@pytest.mark.parametrize("layout", ["transformers_default", "transformers_in_memory", "published"])
+def test_saving_a_converted_checkpoint_writes_its_layout_back(checkpoint_folders, layout, tmp_path):
+    """transformers undoes on save the conversions a model was loaded with: the same names, shapes and values."""
+    load_ours(checkpoint_folders[layout]).save_pretrained(tmp_path / "resaved")
+    original, resaved = safetensors_tensors(checkpoint_folders[layout]), safetensors_tensors(tmp_path / "resaved")
+    assert resaved.keys() == original.keys()
+    for name, tensor in original.items():
+        assert resaved[name].shape == tensor.shape and torch.equal(resaved[name], tensor), name
+
+
+@pytest.mark.parametrize("layout", ["transformers_default", "transformers_in_memory"])
+def test_transformers_model_loads_a_resaved_checkpoint_with_the_same_logits(
+    reference, checkpoint_folders, layout, tmp_path
+):
+    load_ours(checkpoint_folders[layout]).save_pretrained(tmp_path / "resaved")
+    modeling = import_kimi_linear_on_torch()
+    reloaded, loading_info = modeling.KimiLinearForCausalLM.from_pretrained(
+        tmp_path / "resaved", config=reference.config, output_loading_info=True
+    )
+    assert not any(loading_info.values()), loading_info
+    input_ids = torch.randint(3, 100, (2, 80), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(input_ids).logits, reference(input_ids).logits)
+
+
+def test_our_layout_is_saved_for_our_checkpoints_new_models_and_without_original_format(checkpoint_folders, tmp_path):
+    ours = load_ours(checkpoint_folders["published"])
+    ours.save_pretrained(tmp_path / "ours", save_original_format=False)
+    assert safetensors_keys(tmp_path / "ours") == set(ours.state_dict())
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "kda_moe_text"
+    reloaded = load_ours(tmp_path / "ours")  # goes through the `A_log` conversion only, by name
+    reloaded.save_pretrained(tmp_path / "ours_again")
+    again = safetensors_tensors(tmp_path / "ours_again")
+    assert again.keys() == set(ours.state_dict())
+    for name, tensor in ours.state_dict().items():
+        assert again[name].shape == tensor.shape and torch.equal(again[name], tensor), name
+
+    # A model built in memory has no loading to undo.
+    KdaMoeForCausalLM(ours.config).save_pretrained(tmp_path / "new")
+    assert safetensors_keys(tmp_path / "new") == set(ours.state_dict())

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from multimodal_testing import random_image, tiny_multimodal_model, tiny_processor
-from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, DynamicCache
 
 from kda_moe import KdaMoeForConditionalGeneration
 from kda_moe.compat import output_cache
@@ -155,6 +155,18 @@ def test_save_then_auto_classes_round_trip_bit_exactly(tmp_path):
         assert (model(**inputs).logits - reloaded(**reinputs).logits).abs().max() < 1e-6
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "kda_moe" and saved["text_config"]["model_type"] == "kda_moe_text"
+
+
+def test_auto_model_for_causal_lm_loads_a_multimodal_folder_as_the_generative_model(model, processor, tmp_path):
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is KdaMoeForConditionalGeneration
+    reloaded.generation_config.eos_token_id = None
+    inputs = chat_inputs(processor, [random_image(23, 19, seed=9)])
+    settings = dict(max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        assert (model(**inputs).logits - reloaded(**inputs).logits).abs().max() < 1e-6
+        assert torch.equal(model.generate(**inputs, **settings), reloaded.generate(**inputs, **settings))
 
 
 def test_saved_folder_loads_with_trust_remote_code_without_importing_kda_moe(tmp_path):

@@ -50,9 +50,10 @@ def test_outputs_record_hidden_states_attentions_and_router_logits():
     config = model.config
     assert len(out.hidden_states) == config.num_hidden_layers + 1
     assert torch.equal(out.hidden_states[0], model.model.embed_tokens(input_ids))
-    assert len(out.attentions) == config.layer_types.count("full_attention")
-    assert out.attentions[0].shape == (2, config.num_attention_heads, 6, 6)
-    assert torch.allclose(out.attentions[0].sum(-1), torch.ones(2, config.num_attention_heads, 6))
+    assert len(out.attentions) == config.num_hidden_layers  # one entry per layer, None for KDA layers
+    mla = config.layer_types.index("full_attention")
+    assert out.attentions[mla].shape == (2, config.num_attention_heads, 6, 6)
+    assert torch.allclose(out.attentions[mla].sum(-1), torch.ones(2, config.num_attention_heads, 6))
     assert len(out.router_logits) == config.mlp_layer_types.count("sparse")
     assert out.router_logits[0].shape == (2 * 6, config.num_experts)
 
