@@ -27,7 +27,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import logging
 
-from ..compat import EXPERT_PARALLEL_STYLES, ConfigValidationError, finish_strict_config
+from ..compat import CACHE_NAME, EXPERT_PARALLEL_STYLES, ConfigValidationError, finish_strict_config
 
 logger = logging.get_logger(__name__)
 
@@ -205,7 +205,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
     """
 
     model_type = "kda_moe_text"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the output field Trainer must not gather
     base_model_tp_plan = {
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
@@ -414,7 +414,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
 
     @classmethod
     def kimi_k3(cls, **overrides) -> "KdaMoeTextConfig":
-        """The Kimi K3 text decoder: 93 layers (69 KDA + 24 gated MLA), 896 experts, ~2.78T total / ~104B active.
+        """The Kimi K3 text decoder: 93 layers (69 KDA + 24 gated MLA), 896 experts, ~2.78T total / ~105B active.
 
         Layer rule (`default_layer_types`): MLA at 1-based layers 4, 8, ..., 92 and 93 (the last two are MLA),
         KDA elsewhere; layer 1 dense, the other 92 LatentMoE. MLA heads (96) and the dense width (33792) follow

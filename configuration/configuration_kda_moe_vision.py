@@ -14,7 +14,7 @@ here, before the parent `__post_init__`, so both versions see config objects.
 from huggingface_hub.dataclasses import strict, validated_field
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..compat import ConfigValidationError, finish_strict_config
+from ..compat import CACHE_NAME, ConfigValidationError, finish_strict_config
 from .configuration_kda_moe import (
     KdaMoeTextConfig,
     _invalid,
@@ -151,7 +151,7 @@ class KdaMoeConfig(PreTrainedConfig):
     """
 
     model_type = "kda_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the output field Trainer must not gather
     sub_configs = SUB_CONFIGS  # transformers 5.17
     sub_configs_defaults = SUB_CONFIGS  # transformers >= 5.20 (turned into `SubConfigSpec`s by the parent class)
 

@@ -650,7 +650,7 @@ def quantile_balancing_bias(
 ) -> torch.Tensor:
     """Quantile Balancing: the expert bias that routes about `m * k / E` of the m tokens to every expert.
 
-    scores [m, E] (sigmoid router scores, fp32), bias [E]. One pass (SPEC): cutoff `c_ij` = the score that expert j
+    scores [m, E] (sigmoid router scores, fp32), bias [E]. One pass: cutoff `c_ij` = the score that expert j
     must beat to enter token i's top-k under the current bias (the (k+1)-th largest of `s_i + b` when j is selected,
     the k-th otherwise), margins `M = s - c`, target load `q = m * k // E`, quantile bias `b*_j = -((q+1)-th largest
     of M[:, j])`, centred to mean 0. Moving every bias at once shifts the cutoffs, so the pass is repeated
