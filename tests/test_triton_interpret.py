@@ -180,8 +180,8 @@ def test_unknown_gate_precision_is_refused():
 
 
 def test_unpipelined_narrow_bf16_scans_are_refused():
-    """A launch that would run a bf16 scan on V tiles narrower than 64 in one stage (which Triton 3.6 miscompiles for
-    the H200) raises before compiling it."""
+    """A launch whose bf16 scan takes V tiles narrower than 64 in one stage (which Triton 3.6 miscompiles for the
+    H200) raises before compiling it."""
     x = kda_inputs(1, 64, 1, 16, 32, torch.bfloat16)
     forward = dataclasses.replace(launches(x, -5.0)[0], scan_bv=16, scan_stages=1)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
