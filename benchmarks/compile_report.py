@@ -2,9 +2,12 @@
 reports: registers, spill stack and shared memory per kernel. Device time is scarce; spills, shared-memory
 overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
 
-    [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [fwd CONFIG json] [bwd CONFIG json]
+    [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [forward json] [backward json]
 
-e.g. ``python benchmarks/compile_report.py bf16 '{"chunk_maxnreg": 128}'``. It compiles with the Triton it imports:
+The json objects replace fields of the launches the kernels pick (``chunk_fwd.ForwardLaunch``, applied to the forward
+and to the backward's recompute, and ``chunk_bwd.BackwardLaunch``; its ``gate_prec`` is passed to
+``backward_launch``, which picks the gate kernel's warps from it), e.g.
+``python benchmarks/compile_report.py bf16 '{"chunk_maxnreg": 128}'``. It compiles with the Triton it imports:
 to match the GPU machine's compiler, put that version first (``pip install --target /tmp/t36 triton==3.6.0``, then
 ``PYTHONPATH=/tmp/t36``). The launch code runs for real on CPU tensors of shape KDA_SHAPE (default 1,256,2,128;
 both gates, forward and backward); a stand-in driver names sm_90 as the target and every launch compiles its kernel
@@ -12,6 +15,7 @@ without running it, so the outputs are garbage and only the compiled kernels mat
 in the Triton wheel.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -41,7 +45,7 @@ class _Sm90Driver:
         return 0
 
 
-def compile_all(dtype, fwd_config, bwd_config):
+def compile_all(dtype, forward_fields, backward_fields):
     """Run the forward and backward launch code for both gates; return {kernel name: [compiled kernels]}."""
     driver.set_active(_Sm90Driver())
     compiled = {}
@@ -56,15 +60,20 @@ def compile_all(dtype, fwd_config, bwd_config):
     try:
         from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
 
-        chunk_fwd.CONFIG.update(fwd_config)
-        chunk_bwd.CONFIG.update(bwd_config)
         B, T, H, K = (int(n) for n in os.environ.get("KDA_SHAPE", "1,256,2,128").split(","))
         q, k, v, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(4))
         beta, A_log, dt_bias = torch.randn(B, T, H, dtype=dtype), torch.zeros(H), torch.zeros(H * K)
+        backward_fields = dict(backward_fields)
+        gate_prec = backward_fields.pop("gate_prec", "bf16")
         for lb in (-5.0, None):
+            forward = chunk_fwd.forward_launch(K, K, B * H, dtype, lb)
+            backward = chunk_bwd.backward_launch(K, K, B * H, dtype, lb, gate_prec=gate_prec)
+            recompute = dataclasses.replace(backward.recompute, **forward_fields)
             _, _, scores = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, False, None,
-                                                   keep_scores=True)
-            chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, None, v, None, scores)
+                                                   keep_scores=True,
+                                                   launch=dataclasses.replace(forward, **forward_fields))
+            chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, None, v, None, scores,
+                                    launch=dataclasses.replace(backward, recompute=recompute, **backward_fields))
     finally:
         JITFunction.run = launch
     return compiled

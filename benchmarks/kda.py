@@ -6,11 +6,13 @@ ceilings measured in the same run.
                                                                       (kda_moe importable; fla 0.6.0 for its columns)
 
 ``fast`` drops the slow columns (our softplus path, the torch reference) and the per-stage and per-kernel times
-(torch.profiler) of one forward + backward at the first shape; ``decode``
-runs only the ceilings and the decode table; ``tune`` first times the launch knobs in ``KNOBS`` one at a time and keeps
-the fastest (the defaults in the kernel modules are the knobs picked so on an H200, see their comments);
-``stages`` tunes only the first two (pipelining depth of the forward chunk and the gate-gradient kernels);
-``shapes=`` keeps only the listed shapes (B x T x H); ``nodecode`` skips the decode table.
+(torch.profiler) of one forward + backward at the first shape; ``decode`` runs only the ceilings and the decode table;
+``tune`` first times the launch settings in ``KNOBS`` one at a time at the first shape, starting from the launches the
+kernels pick (``chunk_fwd.forward_launch``, ``chunk_bwd.backward_launch``) and keeping each faster value for the next
+ones, and reports the fastest it found (``stages`` tunes only the first two: the pipelining depth of the forward's
+chunk kernel and of the gate-gradient kernel); the table always runs the launches the kernels pick, so a faster
+setting found here becomes the default by editing those functions; ``shapes=`` keeps only the listed shapes
+(B x T x H); ``nodecode`` skips the decode table.
 
 Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json after every row (a run cut short keeps what it
 measured); prints the table last. At every shape with no more tokens x heads than the first (the default list's 16-head
@@ -22,6 +24,7 @@ fewest bytes (inputs read once, outputs written once). Peak GiB: the most CUDA m
 backward, the inputs included.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +35,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kda_moe.kernels.kda import kimi_delta_attention
+from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, kimi_delta_attention, recurrent
 from kda_moe.kernels.kda.chunk import chunk_kda_triton
 from kda_moe.kernels.kda.recurrent import kda_decode_step_triton
 
@@ -126,7 +129,6 @@ def grad_errors(ins, A_log, dt_bias, do, others):
 
 def kernel_stats():
     """Registers / spills / shared memory of our compiled kernels (the compiler's resource report)."""
-    from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, recurrent
     stats = {}
     for mod, name in [(chunk_fwd, "_chunk_kernel"), (chunk_fwd, "_scan_kernel"), (chunk_bwd, "_scan_bwd_kernel"),
                       (chunk_bwd, "_state_grads_kernel"), (chunk_bwd, "_wy_grads_kernel"),
@@ -161,54 +163,80 @@ def kernel_times(step, iterations=10):
     return dict(sorted(((name, ms) for name, ms in own.items() if ms > 0), key=lambda item: -item[1]))
 
 
-# launch knobs tried by tune(), one at a time from the defaults: (pipeline, knob, values)
-KNOBS = [("fwd", "chunk_stages", (2, 3, 4)), ("bwd", "gate_stages", (1, 2)), ("bwd", "state_stages", (1, 2)),
-         ("fwd", "chunk_warps", (4, 8)), ("fwd", "chunk_bk", (16, 32)), ("fwd", "scan_warps", (4, 8)),
-         ("fwd", "scan_bv", (32, 64)), ("fwd", "scan_stages", (1, 2)), ("bwd", "scan_bv", (32, 64)),
-         ("bwd", "state_warps", (4, 8)), ("bwd", "state_bv", (32, 64, 128)), ("bwd", "gate_bk", (16, 32)),
-         ("fwd", "chunk_maxnreg", (None, 168, 128)), ("bwd", "gate_warps", (4, 8)),
-         ("bwd", "state_maxnreg", (None, 128)), ("bwd", "wy_warps", (4, 8)), ("bwd", "gate_maxnreg", (None, 168))]
-# decode launch knobs, tried at batch 256
-DECODE_KNOBS = [dict(bv=32, warps=4), dict(bv=16, warps=2), dict(bv=64, warps=4), dict(bv=64, warps=8),
-                dict(bv=128, warps=8)]
-# the stages each pipeline can stop after, in order (per-stage time = difference of consecutive stops)
-STAGES = {"fwd": ("chunk", None), "bwd": ("recompute", "scan", "state", None)}
+# launch settings tried by tune(), one knob at a time: (pipeline, alternatives, each the fields it replaces)
+KNOBS = [
+    ("fwd", [dict(chunk_stages=n) for n in (2, 3, 4)]), ("bwd", [dict(gate_stages=n) for n in (1, 2)]),
+    ("bwd", [dict(state_stages=n) for n in (1, 2)]), ("fwd", [dict(chunk_warps=n) for n in (4, 8)]),
+    ("fwd", [dict(chunk_bk=n) for n in (16, 32)]), ("fwd", [dict(scan_warps=n) for n in (4, 8)]),
+    ("fwd", [dict(scan_bv=32, scan_stages=2), dict(scan_bv=64)]), ("fwd", [dict(scan_stages=n) for n in (1, 2)]),
+    ("bwd", [dict(scan_bv=32, scan_stages=3), dict(scan_bv=64)]), ("bwd", [dict(state_warps=n) for n in (4, 8)]),
+    ("bwd", [dict(state_bv=n) for n in (32, 64, 128)]), ("bwd", [dict(gate_bk=n) for n in (16, 32)]),
+    ("fwd", [dict(chunk_maxnreg=n) for n in (None, 168, 128)]), ("bwd", [dict(gate_warps=n) for n in (4, 8)]),
+    ("bwd", [dict(state_maxnreg=n) for n in (None, 128)]), ("bwd", [dict(wy_warps=n) for n in (4, 8)]),
+    ("bwd", [dict(gate_maxnreg=n) for n in (None, 168)]),
+]
+# decode launches, tried at batch 256
+DECODE_KNOBS = [recurrent.DecodeLaunch(bv=32, warps=4), recurrent.DecodeLaunch(bv=16, warps=2),
+                recurrent.DecodeLaunch(bv=64, warps=4), recurrent.DecodeLaunch(bv=64, warps=8),
+                recurrent.DecodeLaunch(bv=128, warps=8)]
 
 
-def tune(res, knobs):
-    """Per-stage times of our pipeline at the first shape (bounded gate), and the launch knobs picked one at a
-    time from ``knobs`` (then used for the whole table). Also times, without picking it, the chunk kernel with
-    tf32 products in its 16x16 inverse: how much of that kernel the fp32 inverse costs."""
-    from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
-    configs = {"fwd": chunk_fwd.CONFIG, "bwd": chunk_bwd.CONFIG}
+def stage_times(call, forward, backward, do, scores):
+    """Each stage of our forward and backward timed alone on ``call`` (its inputs made by the stages before it):
+    the chunk kernel and the output scan; the backward's recompute, reverse scan, state- and WY-gradient kernels and
+    gate-gradient kernel. Also the chunk kernel with tf32 products in its 16x16 inverse: what the fp32 inverse
+    costs."""
+    t = {"fwd_chunk": bench(lambda: chunk_fwd.launch_chunk_kernel(call, forward, store_scores=True))}
+    bufs = chunk_fwd.launch_chunk_kernel(call, forward, store_scores=True)
+    t["fwd_scan"] = bench(lambda: chunk_fwd.launch_output_scan(call, bufs, forward, None, False))
+    t["fwd_chunk_tf32_inverse"] = bench(lambda: chunk_fwd.launch_chunk_kernel(
+        call, dataclasses.replace(forward, inv_prec="tf32"), store_scores=True))
+    t["bwd_recompute"] = bench(lambda: chunk_fwd.recompute_for_backward(call, backward.recompute, None, scores))
+    bufs, h, delta = chunk_fwd.recompute_for_backward(call, backward.recompute, None, scores)
+    t["bwd_scan"] = bench(lambda: chunk_bwd.launch_scan_bwd(call, bufs, backward, do, None, False))
+    dh, ddelta, _ = chunk_bwd.launch_scan_bwd(call, bufs, backward, do, None, False)
+    t["bwd_state_grads"] = bench(lambda: chunk_bwd.launch_state_grads(call, bufs, h, dh, delta, ddelta, do, backward))
+    dW, kg, dqn, dkn, dG = chunk_bwd.launch_state_grads(call, bufs, h, dh, delta, ddelta, do, backward)
+    t["bwd_wy_grads"] = bench(lambda: chunk_bwd.launch_wy_grads(call, bufs, delta, ddelta, dW, kg, do, backward))
+    dv, dL, dAq, dbeta_col = chunk_bwd.launch_wy_grads(call, bufs, delta, ddelta, dW, kg, do, backward)
+    # the gate kernel overwrites the dq / dk scratch it reads with its totals; its time does not depend on the values
+    t["bwd_gate_grads"] = bench(lambda: chunk_bwd.launch_gate_grads(call, bufs.norms, dL, dAq, dbeta_col, dqn, dkn, dG,
+                                                                    backward))
+    return t
+
+
+def time_pipeline(res, knobs):
+    """Per-stage times of our pipeline at the first shape (bounded gate) and, for each entry of ``knobs``, the
+    forward (or backward) timed with each alternative, keeping the fastest for the entries after it."""
     B, T, H, K = SHAPES[0]
     q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
     do = torch.randn_like(v)
-    def forward():
+    call = chunk_fwd.kda_call(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None)
+    launch = {"fwd": chunk_fwd.forward_launch(K, K, call.pairs, v.dtype, LB),
+              "bwd": chunk_bwd.backward_launch(K, K, call.pairs, v.dtype, LB)}
+
+    def forward(fwd):
         return chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None,
-                                       keep_scores=True)
-    scores = forward()[2]
+                                       keep_scores=True, launch=fwd)
+
+    scores = forward(launch["fwd"])[2]
     run = {"fwd": forward,
-           "bwd": lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do,
-                                                  None, scores)}
+           "bwd": lambda bwd: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, None, do,
+                                                      None, scores, launch=bwd)}
     t = {}
-    for which, knob, values in knobs:
-        for val in values:
-            configs[which][knob] = val
-            t[f"{which}_{knob}={val}"] = bench(run[which])
-        configs[which][knob] = min(values, key=lambda x: t[f"{which}_{knob}={x}"])
-    for which, stops in STAGES.items():
-        for stop in stops:
-            configs[which]["stop_after"] = stop
-            t[f"{which}_until_{stop or 'end'}"] = bench(run[which])
-        configs[which]["stop_after"] = None
-    configs["fwd"].update(inv_prec="tf32", stop_after="chunk")
-    t["fwd_until_chunk_tf32_inverse"] = bench(run["fwd"])
-    configs["fwd"].update(inv_prec="ieee", stop_after=None)
+    for which, alternatives in knobs:
+        timed = []
+        for fields in alternatives:
+            candidate = dataclasses.replace(launch[which], **fields)
+            name = f"{which}_" + ",".join(f"{n}={x}" for n, x in fields.items())
+            t[name] = bench(lambda: run[which](candidate))
+            timed.append((t[name], candidate))
+        launch[which] = min(timed, key=lambda item: item[0])[1]
+    t.update(stage_times(call, launch["fwd"], launch["bwd"], do, scores))
     res["stage_ms"] = t
-    res["config"] = {w: dict(c) for w, c in configs.items()}
+    res["fastest_launch"] = {w: dataclasses.asdict(c) for w, c in launch.items()}
     print("stage times (ms):", {n: round(x, 3) for n, x in t.items()}, flush=True)
-    print("picked:", res["config"], flush=True)
+    print("fastest launch found:", res["fastest_launch"], flush=True)
     res["kernel_stats"] = kernel_stats()
     print("kernel stats:", res["kernel_stats"], flush=True)
     ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
@@ -227,7 +255,7 @@ def main(out):
     shapes = [s for s in SHAPES if not picked or "x".join(map(str, s[:3])) in picked[0].split(",")]
     knobs = KNOBS if "tune" in sys.argv[2:] else KNOBS[:2] if "stages" in sys.argv[2:] else []
     if not decode_only and (knobs or "fast" not in sys.argv[2:]):
-        tune(res, knobs)
+        time_pipeline(res, knobs)
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except Exception as e:  # noqa: BLE001
@@ -303,8 +331,7 @@ def main(out):
     # autograd, as generate() runs it (our wrappers then skip the custom-op dispatch)
     no_grad = torch.no_grad()
     H, K = 16, 128
-    from kda_moe.kernels.kda import recurrent
-    for B in ([] if "nodecode" in sys.argv[2:] else [256, 1, 64]):  # 256 first: its knobs serve all three
+    for B in ([] if "nodecode" in sys.argv[2:] else [256, 1, 64]):
         q, k, v, g = (torch.randn(B, H, K, device=dev, dtype=torch.bfloat16) for _ in range(4))
         beta = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
@@ -313,12 +340,10 @@ def main(out):
         d = dict(B=B)
         sb = 2 * state.numel() * 4
         f = no_grad(lambda: kda_decode_step_triton(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound=LB))
-        if B == 256:
-            d["knob_ms"] = {}
-            for knobs in DECODE_KNOBS:
-                recurrent.CONFIG.update(knobs)
-                d["knob_ms"][str(knobs)] = bench(f)
-            recurrent.CONFIG.update(min(DECODE_KNOBS, key=lambda kn: d["knob_ms"][str(kn)]))
+        if B == 256:  # the decode kernel alone under each launch in DECODE_KNOBS (the rows run decode_launch's)
+            d["knob_ms"] = {str(launch): bench(lambda: recurrent.launch_decode(q, k, v, g, beta, A_log, dt_bias, state,
+                                                                               LB, K ** -0.5, launch))
+                            for launch in DECODE_KNOBS}
         f()
         gph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gph):

@@ -28,6 +28,8 @@ from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import logging
 
 from ..compat import CACHE_NAME, EXPERT_PARALLEL_STYLES, ConfigValidationError, finish_strict_config
+from ..kernels.backend import BACKENDS as KERNEL_BACKENDS
+from ..kernels.kda.tile_limits import SAFE_LOWER_BOUND
 
 logger = logging.get_logger(__name__)
 
@@ -35,9 +37,7 @@ ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu", "situ")
 ROUTER_BALANCING = ("quantile", "bias_sign", "none")
-KERNEL_BACKENDS = ("auto", "triton", "torch")
-# |lower bound| beyond ~5.9 overflows the factored intra-tile decay of the chunked KDA kernel.
-GATE_LOWER_BOUND_MIN = -5.9
+GATE_LOWER_BOUND_MIN = -SAFE_LOWER_BOUND  # further down, the chunked KDA kernel's diagonal tiles leave the GEMMs
 
 # Kimi Linear semantics for the K3 features a Kimi Linear config does not mention.
 KIMI_LINEAR_DEFAULTS = {

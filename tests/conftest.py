@@ -1,15 +1,8 @@
 """Shared helpers: tiny configs that keep the CPU suite fast while switching every feature on."""
 
 import os
-import sys
 
-# `python -m pytest` from the checkout puts its root on sys.path, and the root is the kda_moe package itself: its
-# `kernels/` folder would then shadow the `kernels` package (Hugging Face's hub kernels) that transformers imports.
-# The tests import the installed `kda_moe` only.
-_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     # Without CUDA the Triton kernels can only run in Triton's interpreter, which is chosen when a kernel is

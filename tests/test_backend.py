@@ -115,8 +115,9 @@ def test_a_kernel_module_that_fails_to_import_raises_instead_of_falling_back():
 
 
 def _package_sources():
-    skip = {"tests", "examples", "benchmarks"}
-    return [p for p in PACKAGE_ROOT.rglob("*.py") if skip.isdisjoint(p.relative_to(PACKAGE_ROOT).parts[:1])]
+    """The files the package ships: the root's modules and its subpackages' (pyproject.toml's ``packages``)."""
+    subpackages = ("configuration", "modeling", "processing", "kernels", "model_cards")
+    return list(PACKAGE_ROOT.glob("*.py")) + [p for name in subpackages for p in (PACKAGE_ROOT / name).rglob("*.py")]
 
 
 def test_triton_is_imported_only_by_the_backend_inside_a_try():

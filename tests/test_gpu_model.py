@@ -35,8 +35,8 @@ def test_triton_forward_and_decoding_match_torch_backend_fp32(lower_bound):
     assert (generated == reference).float().mean() > 0.9
 
 
-# Stop 8 saw an illegal address at these shapes (K = V = 64); stop 9 traced it by compute-sanitizer to Triton 3.6
-# miscompiling unpipelined 16-wide bf16 scans. chunk_fwd.scan_launch pipelines them, and this passed on the H200 since.
+# At these shapes (K = V = 64) the scans run on 16-wide bf16 tiles, which Triton 3.6 miscompiles unpipelined (an
+# illegal address); chunk_fwd.scan_tile pipelines them.
 def test_triton_training_step_gradients_match_torch_backend_bf16():
     # dense MLPs: top-k routing is discontinuous, and bf16 noise that flips one token's expert changes that expert's
     # gradient wholesale, whatever the kernels

@@ -92,7 +92,7 @@ def test_chunk_gradients_match_the_recurrence_in_steep_channels(decay):
     """Every channel decaying by about e^-decay per token: the true gradient of the log decays is tiny, while the
     chunked form's terms of decay 1 (a token against itself, the last token carried to the chunk end, which a
     zero-padded tail turns into any last real token) are its largest. Formed as exp(G_t - G_t), autograd sends them
-    into G from two sides whose rounding differs: fp32 was 1e1 times off at e^-20, fp64 8 times at e^-40. As
+    into G from two sides whose rounding differs (fp32 would be 1e1 times off at e^-20, fp64 8 times at e^-40). As
     constants, the gradients match the fp64 recurrence; T = 100 ends in a partial chunk."""
     q, k, v, _, beta = activated_inputs(2, 100, dtype=torch.float64)
     gen = torch.Generator().manual_seed(1)

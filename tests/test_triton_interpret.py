@@ -1,10 +1,14 @@
 """The Triton kernels under the Triton interpreter (CPU, ``TRITON_INTERPRET=1``) against the torch reference.
 
-Tiny shapes. The reference runs in fp64, so fp32 kernels must agree to ~1e-5 relative. The interpreter's own bf16
-``tl.dot`` and arithmetic are wrong (SPEC.md); the bf16 tests repair them for their duration (``bf16_emulation.py``)
-and hold the bf16 path to the issue's targets, which tests/test_triton_gpu.py checks again on the GPU at full size.
+Tiny shapes. The reference runs in fp64, so fp32 kernels must agree to ~1e-5 relative. The interpreter multiplies
+fp32 exactly, but the gate-gradient kernel rounds its score operands to tf32 itself (``as_mma_reads``): the tests that
+hold gradients to fp32 precision run it with "tf32x3" products (``launches``); ``test_tf32_gate_products`` checks the
+tf32 rounding, the default for fp32 inputs. The interpreter's own bf16 ``tl.dot`` and arithmetic are wrong; the bf16
+tests repair them for their duration (``bf16_emulation.py``) and hold the bf16 path to 5e-3 on outputs and 1e-2 on
+gradients, which tests/test_triton_gpu.py checks again on the GPU at full size.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -21,41 +25,35 @@ from kda_moe.kernels.conv import reference as conv_ref  # noqa: E402
 from kda_moe.kernels.conv.causal_conv import short_conv_step_triton, short_conv_triton  # noqa: E402
 from kda_moe.kernels.kda import kda_decode_step, kimi_delta_attention  # noqa: E402
 from kda_moe.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
+from kda_moe.kernels.kda.chunk_fwd import chunk_kda_fwd  # noqa: E402
 from kda_moe.kernels.kda.chunk_tiles import as_mma_reads  # noqa: E402
 from kda_moe.kernels.kda.reference import kda_gate, kda_step, l2norm  # noqa: E402
 from kda_moe.kernels.norm import reference as norm_ref  # noqa: E402
 from kda_moe.kernels.norm.gated_rms_norm_kernel import gated_rms_norm_triton  # noqa: E402
 from bf16_emulation import emulate_bf16  # noqa: E402
-from kda_testing import (FORWARD_FORMS, kda_forward_backward, kda_inputs, rel, use_forward_form,  # noqa: E402
-                         with_steep_gates)
+from kda_testing import FORWARD_FORMS, kda_forward_backward, kda_inputs, launches, rel, with_steep_gates  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fp32_gate_products(monkeypatch):
-    """The interpreter multiplies fp32 exactly, but the gate-gradient kernel rounds its score operands to tf32 itself
-    (``as_mma_reads``). Its algebra is checked here at fp32 precision ("tf32x3"); the tf32 rounding (the default for
-    fp32 inputs) by ``test_tf32_gate_products`` and benchmarks/tf32_emulation.py."""
-    from kda_moe.kernels.kda import chunk_bwd
-
-    monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32x3")
+def fp32_launches(x, lb, cu_seqlens=None, **fields):
+    """The launches the kernels pick for ``x``, with the gate kernel's products at fp32 precision ("tf32x3")."""
+    return launches(x, lb, cu_seqlens, gate_prec="tf32x3", **fields)
 
 
 @pytest.mark.parametrize("form", FORWARD_FORMS)
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
-def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen, form, monkeypatch):
-    use_forward_form(monkeypatch, form)
+def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen, form):
     if varlen:
         cu = torch.tensor([0, 30, 30, 130, 150])
         x = kda_inputs(1, 150, 2, 16, 32, torch.float32, N=4)
     else:
         cu = None
         x = kda_inputs(2, 80, 2, 64, 16, torch.float32)  # K = 64: two 32-wide K slices in every kernel
-    o, ht, grads = kda_forward_backward(x, lb, cu, True)
+    o, ht, grads = kda_forward_backward(x, lb, cu, True, launch=fp32_launches(x, lb, cu, form=form))
     ro, rht, rgrads = kda_forward_backward(x, lb, cu, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     assert set(grads) == set(rgrads) == set(x)
-    for n in grads:  # measured: 9e-6 at most (the softplus gate's were 4e-5 before stop 26 kept decay-1 terms out)
+    for n in grads:  # measured: 9e-6 at most
         assert rel(grads[n], rgrads[n]) < 5e-5, (n, rel(grads[n], rgrads[n]))
 
 
@@ -64,16 +62,16 @@ def test_the_last_token_of_every_chunk_enters_the_state_undecayed(lb):
     """The chunk's total decay G_end is G's last row exactly (``chunk_tiles.chunk_end`` / ``tile_ends``), so the last
     token of every chunk, also one that ends a sequence mid-chunk, goes into the state with ``e^(G_end - G) = 1``: its
     row of Kd is its normalised key, bit for bit."""
-    from kda_moe.kernels.kda.chunk_fwd import chunk_kda_fwd
+    from kda_moe.kernels.kda.chunk_fwd import kda_call, recompute_for_backward
 
     cu = torch.tensor([0, 70, 150])
     x = kda_inputs(1, 150, 2, 32, 16, torch.float32, N=2)
-    fb = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lb, 0.3, x["h0"], False,
-                       cu, for_backward=True)
-    kn = x["k"] * fb["norms"][..., :1]  # the kernel's k / ||k||
+    call = kda_call(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lb, 0.3, cu)
+    bufs, _, _ = recompute_for_backward(call, launches(x, lb, cu)[1].recompute, x["h0"])
+    kn = x["k"] * bufs.norms[..., :1]  # the kernel's k / ||k||
     last = [63, 69, 70 + 63, 149]  # chunks [0, 64), [64, 70) of the first sequence, [70, 134), [134, 150) of the second
-    assert torch.equal(fb["Kd"][0, last], kn[0, last])
-    assert not torch.equal(fb["Kd"][0, [62, 68]], kn[0, [62, 68]])  # earlier tokens decay
+    assert torch.equal(bufs.Kd[0, last], kn[0, last])
+    assert not torch.equal(bufs.Kd[0, [62, 68]], kn[0, [62, 68]])  # earlier tokens decay
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
@@ -102,19 +100,16 @@ def test_backward_reusing_the_forward_chunk_matrices_matches_full_recompute(lb):
 @pytest.mark.parametrize("state_fp32", [True, False], ids=["fp32-states", "bf16-states"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 def test_chunk_kda_bf16_matches_reference(varlen, state_fp32, form, monkeypatch):
-    """bf16 inputs on the bf16 path as the GPU runs it (bf16 chunk buffers and tensor-core operands, states as
-    chunk_fwd.CONFIG says; ``emulate_bf16``), against the fp64 reference on the same bf16 inputs, within the issue's
-    targets: 5e-3 on outputs, 1e-2 on gradients. The kernels round W, U (or k e^G), Qg, Kd, A_qk, T and delta to bf16
-    (unit roundoff 2^-9 ~ 2e-3) and an output passes through several such roundings (measured here: outputs 3.9e-3,
-    final states 3.2e-3, gradients 4.4e-3 at most; the H200's full-size run: 4.1e-3 and 4.4e-3)."""
-    from kda_moe.kernels.kda import chunk_fwd
-
+    """bf16 inputs on the bf16 path as the GPU runs it (bf16 chunk buffers and tensor-core operands, the backward's
+    per-chunk states in fp32 or bf16; ``emulate_bf16``), against the fp64 reference on the same bf16 inputs: 5e-3 on
+    outputs, 1e-2 on gradients. The kernels round W, U (or k e^G), Qg, Kd, A_qk, T and delta to bf16 (unit roundoff
+    2^-9 ~ 2e-3) and an output passes through several such roundings (measured here: outputs 3.9e-3, final states
+    3.2e-3, gradients 4.4e-3 at most; on the H200 at full size: 4.1e-3 and 4.4e-3)."""
     emulate_bf16(monkeypatch)
-    monkeypatch.setitem(chunk_fwd.CONFIG, "state_fp32", state_fp32)
-    use_forward_form(monkeypatch, form)
     cu = torch.tensor([0, 1, 1, 100, 130]) if varlen else None
     x = kda_inputs(1 if varlen else 2, 130, 2, 32, 16, torch.bfloat16, N=4 if varlen else None)
-    o, ht, grads = kda_forward_backward(x, -5.0, cu, True)
+    launch = fp32_launches(x, -5.0, cu, form=form, state_fp32=state_fp32)
+    o, ht, grads = kda_forward_backward(x, -5.0, cu, True, launch=launch)
     ro, rht, rgrads = kda_forward_backward(x, -5.0, cu, False)
     assert o.dtype == torch.bfloat16 and rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     for n in grads:
@@ -124,13 +119,13 @@ def test_chunk_kda_bf16_matches_reference(varlen, state_fp32, form, monkeypatch)
 @pytest.mark.parametrize("decay", [None, 20.0, 40.0], ids=["kda-inputs-gates", "e^-20", "e^-40"])
 def test_chunk_kda_bf16_softplus_gate_matches_reference(decay, monkeypatch):
     """The unbounded gate on the bf16 path (``emulate_bf16``), at kda_inputs' gates and where every channel decays by
-    about e^-decay per token (quarter tiles at e^-20, columns at e^-40): the issue's 5e-3 / 1e-2 targets (measured here:
-    outputs 4.4e-3, gradients 6.0e-3 at most)."""
+    about e^-decay per token (quarter tiles at e^-20, columns at e^-40): 5e-3 on outputs, 1e-2 on gradients (measured
+    here: outputs 4.4e-3, gradients 6.0e-3 at most)."""
     emulate_bf16(monkeypatch)
     x = kda_inputs(1, 128, 2, 32, 16, torch.bfloat16)
     if decay is not None:
         x = with_steep_gates(x, decay)
-    o, ht, grads = kda_forward_backward(x, None, None, True)
+    o, ht, grads = kda_forward_backward(x, None, None, True, launch=fp32_launches(x, None))
     ro, rht, rgrads = kda_forward_backward(x, None, None, False)
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     for n in grads:
@@ -163,27 +158,35 @@ def _bf16_ops(a, b, x, prod, rounded, neg_prod):
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
-def test_tf32_gate_products(lb, monkeypatch):
-    """The gate kernel's score operands rounded to tf32, as for fp32 inputs (unit roundoff 2^-11 ~ 5e-4, two
-    operands a product). The gradients stay within 2e-3 of the fp64 reference; the gate's too, since every pair term
-    enters its row and column sides identically rounded (measured here: at most 6e-4, A_log with the bounded gate)."""
-    from kda_moe.kernels.kda import chunk_bwd
-
-    monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32")
+def test_tf32_gate_products(lb):
+    """The gate kernel's score operands rounded to tf32, as the default launch does for fp32 inputs (unit roundoff
+    2^-11 ~ 5e-4, two operands a product), through autograd. The gradients stay within 2e-3 of the fp64 reference;
+    the gate's too, since every pair term enters its row and column sides identically rounded (measured here: at most
+    6e-4, A_log with the bounded gate)."""
     x = kda_inputs(1, 80, 2, 32, 16, torch.float32)
+    assert launches(x, lb)[1].gate_prec == "bf16"  # "bf16": bf16 operands for bf16 inputs, tf32 for fp32 ones
     grads = kda_forward_backward(x, lb, None, True)[2]
     rgrads = kda_forward_backward(x, lb, None, False)[2]
     for n in grads:
         assert rel(grads[n], rgrads[n]) < 2e-3, (n, rel(grads[n], rgrads[n]))
 
 
-def test_unknown_gate_precision_is_refused(monkeypatch):
-    from kda_moe.kernels.kda import chunk_bwd
-
-    monkeypatch.setitem(chunk_bwd.CONFIG, "gate_prec", "tf32x2")  # stop 11's, removed
+def test_unknown_gate_precision_is_refused():
     x = kda_inputs(1, 16, 1, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match=r'gate_prec.*"bf16", "tf32" or "tf32x3", got .tf32x2.'):
-        kda_forward_backward(x, -5.0, None, True)
+    with pytest.raises(ValueError, match=r"gate_prec must be one of \('bf16', 'tf32', 'tf32x3'\), got 'tf32x2'"):
+        launches(x, -5.0, gate_prec="tf32x2")
+    with pytest.raises(ValueError, match=r"gate_prec must be one of"):
+        dataclasses.replace(launches(x, -5.0)[1], gate_prec="fp8")
+
+
+def test_unpipelined_narrow_bf16_scans_are_refused():
+    """A launch whose bf16 scan takes V tiles narrower than 64 in one stage (which Triton 3.6 miscompiles for the
+    H200) raises before compiling it."""
+    x = kda_inputs(1, 64, 1, 16, 32, torch.bfloat16)
+    forward = dataclasses.replace(launches(x, -5.0)[0], scan_bv=16, scan_stages=1)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    with pytest.raises(ValueError, match="bf16 scan on 16-wide V tiles needs at least 2 pipeline stages"):
+        chunk_kda_fwd(*args, -5.0, 0.25, None, False, None, launch=forward)
 
 
 def test_chunk_kda_fp16_inputs_and_flat_gate_without_state():
@@ -214,25 +217,23 @@ def _diagonal_paths(x, lb, BK=32):
     return int(tiles.sum()), int((quarters & ~tiles).sum()), int((~quarters).sum())
 
 
-@pytest.mark.parametrize("safe_gate_bk", [32, 16])
+@pytest.mark.parametrize("gate_bk", [32, 16])
 @pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
-def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, safe_gate_bk,
-                                                                                              monkeypatch):
+def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, gate_bk, monkeypatch):
     """Without a guarantee from the gate bound, each chunk's K slice checks its tiles' decay: mild ones keep the
     diagonal blocks in the row tiles' GEMMs, steeper ones take them as quarter-tile GEMMs, the steepest sum them
     column by column. A mix of all three matches the reference in outputs and gradients, and differs (in rounding)
     from the column path everywhere; taking the row tiles' GEMMs everywhere instead overflows on the steep slices."""
-    from kda_moe.kernels.kda import chunk_bwd, chunk_tiles
+    from kda_moe.kernels.kda import chunk_tiles
 
     x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
     x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
     x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.4) per tile
     x["g"][0, 128:, 0, :32] = 5.0 if lb is None else 0.0  # head 0's first K slice of chunk 2: e^-10 (e^-20) per token
     x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 per token
-    monkeypatch.setitem(chunk_bwd.CONFIG, "safe_gate_bk", safe_gate_bk)
-    paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, safe_gate_bk)}  # the forward's K slices, the gate kernel's
+    paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, gate_bk)}  # the forward's K slices, the gate kernel's
     assert all(min(counts) > 0 for counts in paths.values()), paths
-    o, ht, grads = kda_forward_backward(x, lb, None, True)
+    o, ht, grads = kda_forward_backward(x, lb, None, True, launch=fp32_launches(x, lb, gate_bk=gate_bk))
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     for n in grads:
@@ -254,11 +255,11 @@ def test_gate_gradients_in_steep_channels(decay, path):
     would leave a residual that the decay cumsum's backward multiplies by G (up to -64 * decay). Kept out of dG, the
     fp32 gate gradients match the fp64 reference to 2e-4 however the diagonal blocks are summed (``decay``: -log of
     each token's decay, ``path`` the way its K slices take; measured at most 7e-5). With the decay-1 terms in dG,
-    dt_bias's was off by 5e-4, 4e2 and 5e1 (stop 25's kernels)."""
+    dt_bias's would be off by 5e-4, 4e2 and 5e1."""
     x = with_steep_gates(kda_inputs(1, 128, 2, 32, 16, torch.float32), decay)
     paths = _diagonal_paths(x, None)  # (row tiles, quarter tiles, columns)
     assert paths[path] == sum(paths), paths
-    o, ht, grads = kda_forward_backward(x, None, None, True)
+    o, ht, grads = kda_forward_backward(x, None, None, True, launch=fp32_launches(x, None))
     ro, rht, rgrads = kda_forward_backward(x, None, None, False)
     assert rel(o, ro) < 1e-5
     for n in grads:
@@ -467,7 +468,7 @@ def test_calls_without_autograd_skip_the_custom_op_dispatcher(monkeypatch):
         return (chunk_kda_triton(*args, gate_lower_bound=-5.0)[0],
                 kda_decode_step(*step, state, gate_lower_bound=-5.0, backend="triton"), state,
                 short_conv_triton(cx[:, None], cw)[0], short_conv_step_triton(cx, cw, conv_state), conv_state,
-                gated_rms_norm_triton(nx, ngate, nw))
+                gated_rms_norm_triton(nx, ngate, nw, 1e-5))
 
     dispatched = run()
     ops = [(chunk, "kda_chunk_fwd_op"), (recurrent, "kda_decode_step_op"), (causal_conv, "short_conv_fwd_op"),
@@ -484,27 +485,27 @@ def test_calls_without_autograd_skip_the_custom_op_dispatcher(monkeypatch):
 
 @pytest.mark.parametrize("stores_states", [True, False])
 def test_scan_tiles_keep_the_narrow_bf16_scans_pipelined(stores_states):
-    """``scan_launch`` picks each scan's V tile from the number of (sequence, head) pairs. Whatever it picks, a bf16
+    """``scan_tile`` picks each scan's V tile from the number of (sequence, head) pairs. Whatever it picks, a bf16
     scan narrower than 64 must be pipelined (unpipelined, Triton 3.6 miscompiles it on the H200), fp32 scans stay at
     most 32 wide in one stage (two overflow shared memory), tiles never shrink as pairs grow, and the output scan
     (no states stored) is never narrower than the scans that store states."""
-    from kda_moe.kernels.kda.chunk_fwd import scan_launch
+    from kda_moe.kernels.kda.chunk_fwd import scan_tile
 
     widths = []
     for NH in (1, 8, 16, 32, 63, 64, 96, 255, 256, 1024):
-        BV, stages = scan_launch(128, NH, torch.bfloat16, None, 1, stores_states=stores_states)
+        BV, stages = scan_tile(128, NH, torch.bfloat16, 1, stores_states=stores_states)
         assert BV in (16, 32, 64) and (stages >= 2 if BV < 64 else stages == 1)
-        assert BV >= scan_launch(128, NH, torch.bfloat16, None, 1)[0]
-        assert scan_launch(128, NH, torch.float32, None, 2, stores_states=stores_states) == (min(BV, 32), 1)
+        assert BV >= scan_tile(128, NH, torch.bfloat16, 1, stores_states=True)[0]
+        assert scan_tile(128, NH, torch.float32, 2, stores_states=stores_states) == (min(BV, 32), 1)
         widths.append(BV)
     assert widths == sorted(widths)
-    assert scan_launch(32, 1024, torch.bfloat16, None, 1, stores_states=stores_states) == (32, 2)  # capped at V
+    assert scan_tile(32, 1024, torch.bfloat16, 1, stores_states=stores_states) == (32, 2)  # capped at V
 
 
 def test_backward_drops_each_buffer_after_its_last_kernel(monkeypatch):
     """The backward's scratch buffers are released as soon as their last kernel is launched, so the caching allocator
     reuses them for the next ones: at most 12 [B, T, H, K]-sized fp32 buffers' worth are alive at once (K = V = 128;
-    20.1 when every buffer lived to the end of the backward, 11.5 now)."""
+    measured 11.5; 20.1 if every buffer lived to the end of the backward)."""
     import weakref
 
     from kda_moe.kernels.kda import chunk_bwd

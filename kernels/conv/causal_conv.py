@@ -12,8 +12,10 @@ import torch
 
 from ..backend import op_for_call, tl, triton
 
-BT = 64
-BC = 128
+# Launch settings of the conv kernels, fixed (the conv is a small share of a KDA layer's time; not tuned):
+TOKEN_TILE = 64  # tokens per program of the forward and backward kernels
+CHANNEL_TILE = 128  # channels per program of the forward and backward kernels
+STEP_CHANNEL_TILE = 256  # channels per program of the decoding step
 
 
 @triton.jit
@@ -142,8 +144,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, initial_state: Optional[tor
     W = weight.shape[1]
     y = torch.empty_like(x)
     bos, _, seq = _token_maps(B, T, cu_seqlens, x.device)
-    _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
-        x, weight, initial_state, y, bos, seq, T, C=C, W=W, BT=BT, BC=BC, HAS_H0=initial_state is not None, SILU=silu)
+    _conv_fwd_kernel[(triton.cdiv(T, TOKEN_TILE), triton.cdiv(C, CHANNEL_TILE), B)](
+        x, weight, initial_state, y, bos, seq, T, C=C, W=W, BT=TOKEN_TILE, BC=CHANNEL_TILE,
+        HAS_H0=initial_state is not None, SILU=silu)
     return y
 
 
@@ -161,14 +164,14 @@ def short_conv_bwd_op(x: torch.Tensor, weight: torch.Tensor, initial_state: Opti
     B, T, C = x.shape
     W = weight.shape[1]
     bos, eos, seq = _token_maps(B, T, cu_seqlens, x.device)
-    NTB = triton.cdiv(T, BT)
+    NTB = triton.cdiv(T, TOKEN_TILE)
     dpre = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
     dw_part = torch.empty(B * NTB, C, W, device=x.device, dtype=torch.float32)
-    grid = (NTB, triton.cdiv(C, BC), B)
-    _conv_dpre_kernel[grid](x, weight, initial_state, dy.contiguous(), dpre, dw_part, bos, seq, T, C=C, W=W, BT=BT,
-                            BC=BC, HAS_H0=initial_state is not None, SILU=silu)
+    grid = (NTB, triton.cdiv(C, CHANNEL_TILE), B)
+    _conv_dpre_kernel[grid](x, weight, initial_state, dy.contiguous(), dpre, dw_part, bos, seq, T, C=C, W=W,
+                            BT=TOKEN_TILE, BC=CHANNEL_TILE, HAS_H0=initial_state is not None, SILU=silu)
     dx = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
-    _conv_dx_kernel[grid](dpre, weight, dx, eos, T, C=C, W=W, BT=BT, BC=BC)
+    _conv_dx_kernel[grid](dpre, weight, dx, eos, T, C=C, W=W, BT=TOKEN_TILE, BC=CHANNEL_TILE)
     dw = dw_part.sum(0)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     # gradient of the state: history slot i of sequence n feeds outputs bos + (i - j) for tap j >= i
@@ -262,7 +265,8 @@ def _conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, silu:
     B, C = x.shape
     W = weight.shape[1]
     y = torch.empty_like(x)
-    _conv_step_kernel[(triton.cdiv(C, 256), B)](x, weight, state, y, C=C, W=W, BC=256, SILU=silu)
+    _conv_step_kernel[(triton.cdiv(C, STEP_CHANNEL_TILE), B)](x, weight, state, y, C=C, W=W, BC=STEP_CHANNEL_TILE,
+                                                             SILU=silu)
     return y
 
 

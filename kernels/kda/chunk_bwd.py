@@ -1,6 +1,6 @@
 """Chunked KDA backward: recompute, one reverse scan, three chunk-parallel kernels.
 
-1. ``chunk_kda_fwd(..., for_backward=True)`` recomputes the chunk buffers from the forward's ``A_qk``, ``T`` and
+1. ``chunk_fwd.recompute_for_backward`` recomputes the chunk buffers from the forward's ``A_qk``, ``T`` and
    the rows' inverse L2 norms of q and k (the gated scores, the inverse and the norms are not redone; the kernels
    below load the norms too), the state ``h`` at every chunk start and ``delta = U - W h``.
 2. ``_scan_bwd_kernel`` walks the chunks backwards per (sequence, head, V tile) with the fp32 state
@@ -19,39 +19,92 @@
    gradient's pair term are formed from the same MMA-rounded operands, and the pairs of decay 1 (A_qk's diagonal)
    go to dq and dk only: in steep channels they are the largest terms, and a residual of their two sides would be
    multiplied by G in the cumsum's backward.
+
+``backward_launch`` picks the kernels' launch settings (a ``BackwardLaunch``) from the shape, dtype and gate;
+``chunk_kda_bwd`` runs the stages in order (``launch_scan_bwd``, ``launch_state_grads``, ``launch_wy_grads``,
+``launch_gate_grads`` after the recompute).
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from ..backend import tl, triton
-from .chunk_fwd import chunk_kda_fwd, mm_dtype, scan_launch, storage_dtype
+from .chunk_fwd import (ChunkBuffers, ForwardLaunch, KdaCall, check_scan_launch, forward_launch, kda_call, mm_dtype,
+                        recompute_for_backward, scan_tile, storage_dtype)
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_grads,
                           fast_diag, gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
 
-# Launch knobs, measured on an H200 (bf16, 16x4096x16; how and when: benchmarks/PERFORMANCE.md).
-# gate_prec: the operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as
-#   tf32 otherwise), "tf32" or "tf32x3" (three tf32 products, about fp32). Both sides of every pair term are formed
-#   from the same rounded operands (``_row_tile_grads``), so their chunk sum in dg is that of perturbed inputs at any
-#   precision (until stop 12 it was not, and dg lost that precision: PERFORMANCE.md). Forward +
-#   backward and the worst gate-side errors against the fp32 reference, dg / dA_log / ddt_bias (stop 12): "bf16"
-#   19.17 ms, 4.1e-3 / 4.4e-3 / 3.8e-3; "tf32" 22.54 ms, 3.1e-3 / 3.5e-3 / 2.7e-3; "tf32x3" 31.71 ms, 2.9e-3 /
-#   3.4e-3 / 2.5e-3 (fla 0.6.0: 15.32 ms, 3.9e-3 / 4.3e-3 / 4.7e-3).
-# gate_warps None: 4 with bf16 operands (8: 14.16 -> 16.14 ms, and an illegal memory access with the softplus gate's
-#   quarter tiles under triton 3.6, not investigated), 8 with fp32 ones (4 warps spill 1.2-2.6 KB).
-#   gate_stages 2: its loads pipelined (15.86 -> 15.73 ms; 3: softplus 27.2 -> 28.3 ms). gate_bk 32: 32-wide K
-#   slices where the gate's bound keeps every tile within DIAG_SPAN (16-wide: 14.16 -> 14.55 ms). safe_gate_bk, where
-#   the kernel checks each slice's decay: 16 measured faster (softplus 25.67 -> 22.19 ms, at 4x16384x16 26.57 ->
-#   23.00; spills 1456 -> 424 B) but has not yet run the GPU test module, so it stays 32.
-# state_*: the products with the per-chunk states, one program per chunk and K slice, at 8 warps and 128 registers
-#   without spilling (two programs per SM; one kernel doing the WY part too needed 255 and ran one: 23.44 -> 22.01 ms
-#   for the split), V in one 128-wide pass (16.46 -> 16.05 ms). wy_*: the WY part, one program per chunk, its loads
-#   pipelined 3 deep (14.51 -> 14.24 ms; 78 KB shared memory).
-# scan_*: the reverse scan's V tile (None: ``chunk_fwd.scan_launch`` picks), warps and pipelining (3 deep, on top of
-#   wy_stages 3: 14.24 -> 14.16 ms, at 4x16384x16 15.28 -> 15.01 ms).
-# stop_after "recompute" / "scan" / "state": the backward ends after that stage (per-stage timing only).
-CONFIG = dict(scan_bv=None, scan_warps=4, scan_stages=3, state_warps=8, state_bk=32, state_bv=128, state_stages=2,
-              state_maxnreg=128, wy_warps=8, wy_bv=32, wy_stages=3, gate_warps=None, gate_bk=32, safe_gate_bk=32,
-              gate_stages=2, gate_maxnreg=None, gate_prec="bf16", stop_after=None)
+GATE_PRECISIONS = ("bf16", "tf32", "tf32x3")
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """How the backward's kernels are launched; ``backward_launch`` picks one per call. Slice and tile widths are
+    capped at K and V."""
+
+    recompute: ForwardLaunch  # the forward's kernels, rerun for the buffers the backward reads
+    scan_warps: int  # warps of the reverse scan
+    scan_bv: int  # width of its V tiles
+    scan_stages: int  # its software-pipelining depth
+    state_warps: int  # warps of the state-gradient kernel (one program per chunk, head and K slice)
+    state_bk: int  # width of its K slices, and of the WY kernel's K loop
+    state_bv: int  # width of its V loop's tiles
+    state_stages: int  # its software-pipelining depth
+    state_maxnreg: int | None  # its register cap (None: the compiler's choice)
+    wy_warps: int  # warps of the WY-gradient kernel (one program per chunk and head)
+    wy_bv: int  # width of its V loop's tiles
+    wy_stages: int  # its software-pipelining depth
+    gate_warps: int  # warps of the gate-gradient kernel (one program per chunk and head)
+    gate_bk: int  # width of its K slices
+    gate_stages: int  # its software-pipelining depth
+    gate_maxnreg: int | None  # its register cap
+    # operands of the gate kernel's score-gradient products: "bf16" (bf16 for bf16 inputs, fp32 read as tf32
+    # otherwise), "tf32", or "tf32x3" (three tf32 products, about fp32)
+    gate_prec: str
+
+    def __post_init__(self):
+        if self.gate_prec not in GATE_PRECISIONS:
+            raise ValueError(f"gate_prec must be one of {GATE_PRECISIONS}, got {self.gate_prec!r}.")
+
+
+def gate_operands(gate_prec: str, dtype: torch.dtype):
+    """(operand dtype, input precision) of the gate kernel's score-gradient products for inputs of ``dtype``."""
+    return (mm_dtype(dtype), "tf32") if gate_prec == "bf16" else (tl.float32, gate_prec)
+
+
+def backward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, gate_lower_bound: float | None, *,
+                    loads_scores: bool = True, gate_prec: str = "bf16") -> BackwardLaunch:
+    """The launch of a backward over ``pairs`` (sequence, head) pairs with head dims K, V, inputs of ``dtype`` and the
+    gate of ``gate_lower_bound``; ``loads_scores``: its recompute loads the forward's kept T, A_qk and norms. The values
+    ran fastest on an H200 (bf16, B x T x H = 16 x 4096 x 16, K = V = 128, unless a comment names other shapes).
+    ``gate_prec`` "bf16" keeps the gate-side gradient errors on a par with fla 0.6.0's; "tf32" and "tf32x3" cut them by
+    about a quarter for 1.2x and 1.7x the forward + backward time on the H200."""
+    scan_bv, scan_stages = scan_tile(V, pairs, storage_dtype(dtype), 3, stores_states=True)
+    fp32_operands = gate_operands(gate_prec, dtype)[0] == tl.float32
+    return BackwardLaunch(
+        recompute=forward_launch(K, V, pairs, dtype, gate_lower_bound, for_backward=True, loads_scores=loads_scores),
+        scan_warps=4,
+        scan_bv=scan_bv,
+        scan_stages=scan_stages,  # 3 where the tile allows it (also fastest at 4 x 16384 x 16)
+        state_warps=8,  # 8 warps at 128 registers: two programs per SM without spilling
+        state_bk=32,
+        state_bv=128,  # V in one 128-wide pass (narrower passes are slower)
+        state_stages=2,
+        state_maxnreg=128,
+        wy_warps=8,
+        wy_bv=32,
+        wy_stages=3,  # its loads pipelined 3 deep (78 KB of shared memory)
+        # 4 with bf16 operands (8 are slower, and hit an illegal address with the softplus gate under Triton 3.6);
+        # 8 with fp32 ones (4 spill)
+        gate_warps=8 if fp32_operands else 4,
+        # 32 (16 is slower where the gate's bound keeps every tile a GEMM; where the safe path may run, 16 measured
+        # faster on the H200 but has not run the GPU test module)
+        gate_bk=32,
+        gate_stages=2,  # its loads pipelined (3 are slower with the softplus gate)
+        gate_maxnreg=None,
+        gate_prec=gate_prec,
+    )
 
 
 @triton.jit
@@ -322,82 +375,109 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             tl.store(dq + pk, (rq[:, None] * (scale * dqn - nq * rho_q[:, None])).to(dq.dtype.element_ty), mask=mk)
 
 
-def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht,
-                  scores=None):
-    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of ``chunk_kda_fwd``'s (o, ht); ``scores``: the
-    forward's ``(A_qk, T, norms)`` (``keep_scores``), or None to recompute them.
+def launch_scan_bwd(call: KdaCall, bufs: ChunkBuffers, launch: BackwardLaunch, do: torch.Tensor,
+                    dht: torch.Tensor | None, with_dh0: bool):
+    """The reverse scan: ``(dh, ddelta, dh0)``, the state gradient at every chunk end [NS, H, K, V] and ``ddelta``
+    [B, T, H, V] in the storage dtype, and the initial state's gradient [N, H, K, V] fp32 (or None)."""
+    B, T, H, K = call.q.shape
+    V = call.v.shape[-1]
+    dev = call.q.device
+    sd = storage_dtype(call.v.dtype)
+    dh = torch.empty(call.NS, H, K, V, device=dev, dtype=sd)
+    ddelta = torch.empty(B, T, H, V, device=dev, dtype=sd)
+    dh0 = torch.empty(call.N, H, K, V, device=dev, dtype=torch.float32) if with_dh0 else None
+    check_scan_launch(launch.scan_bv, launch.scan_stages, sd)
+    _scan_bwd_kernel[(triton.cdiv(V, launch.scan_bv), call.pairs)](
+        bufs.W, bufs.Qg, bufs.Kd, bufs.Aqk, bufs.gam, do, dht, dh0, dh, ddelta, call.cu_seqlens, call.chunk_offsets,
+        T, H=H, K=K, V=V, BV=launch.scan_bv, IS_VARLEN=call.cu_seqlens is not None, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, MMA=mm_dtype(call.v.dtype), num_warps=launch.scan_warps,
+        num_stages=launch.scan_stages)
+    return dh, ddelta, dh0
 
-    dq/dk/dg/dbeta/dv come back in the inputs' dtypes, dA_log/ddt_bias fp32, dh0 fp32 (or None)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dev = q.device
-    fb = chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, False, cu_seqlens,
-                       scores=scores, for_backward=True)
-    NS, N, chunk_indices, chunk_offsets = fb["NS"], fb["N"], fb["chunk_indices"], fb["chunk_offsets"]
-    MMA = mm_dtype(v)
-    IS_VARLEN = cu_seqlens is not None
-    BOUNDED = gate_lower_bound is not None
-    lb = float(gate_lower_bound) if BOUNDED else 0.0
-    if CONFIG["stop_after"] == "recompute":
-        return None
-    do = do.contiguous()
-    sd = storage_dtype(v)
-    # every buffer is dropped after its last kernel, so that the caching allocator hands its memory to the next ones
-    dhbuf = torch.empty_like(fb["h"], dtype=sd)  # per-chunk state gradients, in the storage dtype
-    ddbuf = torch.empty_like(fb["delta"])
-    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if initial_state is not None else None
-    BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"])
-    _scan_bwd_kernel[(triton.cdiv(V, BVs), N * H)](
-        fb["W"], fb["Qg"], fb["Kd"], fb["Aqk"], fb["gam"], do, dht, dh0, dhbuf, ddbuf, cu_seqlens, chunk_offsets, T,
-        H=H, K=K, V=V, BV=BVs, IS_VARLEN=IS_VARLEN, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, MMA=MMA,
-        num_warps=CONFIG["scan_warps"], num_stages=stages)
-    del fb["W"], fb["Qg"], fb["Kd"], fb["Aqk"], fb["gam"]
-    if CONFIG["stop_after"] == "scan":
-        return None
-    BK = min(K, CONFIG["state_bk"])
+
+def launch_state_grads(call: KdaCall, bufs: ChunkBuffers, h, dh, delta, ddelta, do, launch: BackwardLaunch):
+    """The state-gradient kernel: ``(dW, kg, dqn, dkn, dG)``, the operands of ``dW kg^T`` for the WY kernel and the
+    direct gradients of the normalised q and k (storage dtype) and of the decay G (fp32), [B, T, H, K] each."""
+    B, T, H, K = call.q.shape
+    V = call.v.shape[-1]
+    dev = call.q.device
+    sd = storage_dtype(call.v.dtype)
+    BK = min(K, launch.state_bk)
     dW = torch.empty(B, T, H, K, device=dev, dtype=sd)  # the operands of dW kg^T, as the MMA takes them
     kg = torch.empty_like(dW)
-    # the direct dq / dk terms (then the totals) in the storage dtype; the decay's stays fp32: dt_bias's gradient sums
-    # it over every token, and bf16 there took ddt_bias to 1.5e-2 (4x4096x16, against 3.6e-3)
-    dqn_s = torch.empty(B, T, H, K, device=dev, dtype=sd)
-    dkn_s = torch.empty_like(dqn_s)
-    dG_s = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
-    _state_grads_kernel[(NS * (K // BK), H)](
-        q, k, g, beta, A_log, dt_bias, do, fb["T"], fb["norms"], fb["h"], dhbuf, fb["delta"], ddbuf, dW, kg,
-        dqn_s, dkn_s, dG_s, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K, V=V, BK=BK,
-        BV=min(V, CONFIG["state_bv"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED, MMA=MMA, num_warps=CONFIG["state_warps"],
-        num_stages=CONFIG["state_stages"], maxnreg=CONFIG["state_maxnreg"])
-    del fb["h"], dhbuf
-    gate_prec = CONFIG["gate_prec"]
-    if gate_prec not in ("bf16", "tf32", "tf32x3"):
-        raise ValueError(f'chunk_bwd.CONFIG["gate_prec"] must be "bf16", "tf32" or "tf32x3", got {gate_prec!r}.')
-    gate_mma = MMA if gate_prec == "bf16" else tl.float32
-    dv = torch.empty_like(v)
-    # dL and dA_qk in the gate kernel's operand dtype: bf16 ones feed its tensor cores straight from shared memory
+    # the decay's direct gradient stays fp32: dt_bias's gradient sums it over every token (in bf16, ddt_bias came to
+    # 1.5e-2 at 4 x 4096 x 16, against 3.6e-3)
+    dqn = torch.empty(B, T, H, K, device=dev, dtype=sd)
+    dkn = torch.empty_like(dqn)
+    dG = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+    _state_grads_kernel[(call.NS * (K // BK), H)](
+        call.q, call.k, call.g, call.beta, call.A_log, call.dt_bias, do, bufs.T, bufs.norms, h, dh, delta, ddelta,
+        dW, kg, dqn, dkn, dG, call.cu_seqlens, call.chunk_indices, T, call.scale, call.lb, H=H, K=K, V=V, BK=BK,
+        BV=min(V, launch.state_bv), IS_VARLEN=call.cu_seqlens is not None,
+        BOUNDED=call.gate_lower_bound is not None, MMA=mm_dtype(call.v.dtype), num_warps=launch.state_warps,
+        num_stages=launch.state_stages, maxnreg=launch.state_maxnreg)
+    return dW, kg, dqn, dkn, dG
+
+
+def launch_wy_grads(call: KdaCall, bufs: ChunkBuffers, delta, ddelta, dW, kg, do, launch: BackwardLaunch):
+    """The WY-gradient kernel: ``(dv, dL, dA_qk, dbeta_col)``; dL and dA_qk [B, T, H, 64] in the gate kernel's
+    operand dtype (bf16 ones feed its tensor cores straight from shared memory), beta's column-side gradient
+    [B, T, H] fp32."""
+    B, T, H, K = call.q.shape
+    V = call.v.shape[-1]
+    dev = call.q.device
+    gate_mma = gate_operands(launch.gate_prec, call.v.dtype)[0]
+    dv = torch.empty_like(call.v)
     dL = torch.empty(B, T, H, BT.value, device=dev, dtype=torch.bfloat16 if gate_mma == tl.bfloat16 else torch.float32)
     dAq = torch.empty_like(dL)
     dbeta_col = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-    _wy_grads_kernel[(NS, H)](
-        beta, v, do, fb["T"], fb["delta"], ddbuf, dW, kg, dv, dL, dAq, dbeta_col, cu_seqlens, chunk_indices, T,
-        H=H, K=K, V=V, BK=BK, BV=min(V, CONFIG["wy_bv"]), IS_VARLEN=IS_VARLEN, MMA=MMA, DOT_PREC="tf32",
-        num_warps=CONFIG["wy_warps"], num_stages=CONFIG["wy_stages"])
-    del fb["T"], fb["delta"], ddbuf, dW, kg
-    if CONFIG["stop_after"] == "state":
-        return None
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dg = torch.empty_like(g)
-    dbeta = torch.empty_like(beta)
-    dA_part = torch.zeros(NS, H, device=dev, dtype=torch.float32)
-    dbias_part = torch.zeros(NS, H, K, device=dev, dtype=torch.float32)
-    FAST_DIAG = fast_diag(gate_lower_bound)
-    _gate_grads_kernel[(NS, H)](
-        q, k, g, beta, A_log, dt_bias, fb["norms"], dL, dAq, dbeta_col, dqn_s, dkn_s, dG_s, dq, dk, dg, dbeta,
-        dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb, H=H, K=K,
-        BK=min(K, CONFIG["gate_bk" if FAST_DIAG else "safe_gate_bk"]), IS_VARLEN=IS_VARLEN, BOUNDED=BOUNDED,
-        FAST_DIAG=FAST_DIAG, MMA=gate_mma, PREC="tf32" if gate_prec == "bf16" else gate_prec,
-        num_warps=CONFIG["gate_warps"] or (8 if gate_mma == tl.float32 else 4), num_stages=CONFIG["gate_stages"],
-        maxnreg=CONFIG["gate_maxnreg"])
-    dA_log = dA_part.sum(0).to(A_log.dtype)
-    ddt = dbias_part.sum(0).reshape(-1).to(dt_bias.dtype)
+    _wy_grads_kernel[(call.NS, H)](
+        call.beta, call.v, do, bufs.T, delta, ddelta, dW, kg, dv, dL, dAq, dbeta_col, call.cu_seqlens,
+        call.chunk_indices, T, H=H, K=K, V=V, BK=min(K, launch.state_bk), BV=min(V, launch.wy_bv),
+        IS_VARLEN=call.cu_seqlens is not None, MMA=mm_dtype(call.v.dtype), DOT_PREC="tf32",
+        num_warps=launch.wy_warps, num_stages=launch.wy_stages)
+    return dv, dL, dAq, dbeta_col
+
+
+def launch_gate_grads(call: KdaCall, norms, dL, dAq, dbeta_col, dqn, dkn, dG, launch: BackwardLaunch):
+    """The gate-gradient kernel: ``(dq, dk, dg, dbeta, dA_log, ddt_bias)`` in the inputs' dtypes."""
+    B, T, H, K = call.q.shape
+    dev = call.q.device
+    gate_mma, prec = gate_operands(launch.gate_prec, call.v.dtype)
+    dq = torch.empty_like(call.q)
+    dk = torch.empty_like(call.k)
+    dg = torch.empty_like(call.g)
+    dbeta = torch.empty_like(call.beta)
+    dA_part = torch.zeros(call.NS, H, device=dev, dtype=torch.float32)
+    dbias_part = torch.zeros(call.NS, H, K, device=dev, dtype=torch.float32)
+    _gate_grads_kernel[(call.NS, H)](
+        call.q, call.k, call.g, call.beta, call.A_log, call.dt_bias, norms, dL, dAq, dbeta_col, dqn, dkn, dG, dq, dk,
+        dg, dbeta, dA_part, dbias_part, call.cu_seqlens, call.chunk_indices, T, call.scale, call.lb, H=H, K=K,
+        BK=min(K, launch.gate_bk), IS_VARLEN=call.cu_seqlens is not None, BOUNDED=call.gate_lower_bound is not None,
+        FAST_DIAG=fast_diag(call.gate_lower_bound), MMA=gate_mma, PREC=prec, num_warps=launch.gate_warps,
+        num_stages=launch.gate_stages, maxnreg=launch.gate_maxnreg)
+    return dq, dk, dg, dbeta, dA_part.sum(0).to(call.A_log.dtype), dbias_part.sum(0).reshape(-1).to(call.dt_bias.dtype)
+
+
+def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, cu_seqlens, do, dht,
+                  scores=None, *, launch: BackwardLaunch | None = None):
+    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of ``chunk_kda_fwd``'s (o, ht); ``scores``: the
+    forward's ``(A_qk, T, norms)`` (``keep_scores``), or None to recompute them. ``launch``: ``backward_launch``'s
+    for this call unless given.
+
+    dq/dk/dg/dbeta/dv come back in the inputs' dtypes, dA_log/ddt_bias fp32, dh0 fp32 (or None)."""
+    call = kda_call(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens)
+    launch = launch or backward_launch(q.shape[-1], v.shape[-1], call.pairs, v.dtype, gate_lower_bound,
+                                       loads_scores=scores is not None)
+    bufs, h, delta = recompute_for_backward(call, launch.recompute, initial_state, scores)
+    do = do.contiguous()
+    # every buffer is dropped after its last kernel, so that the caching allocator hands its memory to the next ones
+    dh, ddelta, dh0 = launch_scan_bwd(call, bufs, launch, do, dht, initial_state is not None)
+    bufs.W = bufs.Qg = bufs.Kd = bufs.Aqk = bufs.gam = None
+    dW, kg, dqn, dkn, dG = launch_state_grads(call, bufs, h, dh, delta, ddelta, do, launch)
+    del h, dh
+    dv, dL, dAq, dbeta_col = launch_wy_grads(call, bufs, delta, ddelta, dW, kg, do, launch)
+    bufs.T = None
+    del delta, ddelta, dW, kg
+    dq, dk, dg, dbeta, dA_log, ddt = launch_gate_grads(call, bufs.norms, dL, dAq, dbeta_col, dqn, dkn, dG, launch)
     return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0

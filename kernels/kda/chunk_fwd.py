@@ -8,7 +8,7 @@ cumsum ``G``, the q/k L2 norms, q's scale and beta's sigmoid. It builds ``A_kk``
 plus a norm pass over q and k where the rows are stored normalised):
 
 * ``W = T diag(beta) (k * exp(G))`` and ``U = T diag(beta) v`` with ``T = (I + diag(beta) A_kk)^-1``, or
-  ``k * exp(G)`` and ``T`` for the scan to apply (``forms_wu``; the gated rows then stay raw and the rows' inverse
+  ``k * exp(G)`` and ``T`` for the scan to apply (``ForwardLaunch.form_wu``; the gated rows then stay raw and the rows' inverse
   norms, summed in the scores pass, go to the scan),
 * ``Qg = q * exp(G)``, ``Kd = k * exp(G_end - G)``, ``A_qk``, and ``gamma = exp(G_end)`` (fp32),
 * for the backward, ``T`` itself. The backward's recompute (``LOAD_T``) loads the forward's ``T`` and ``A_qk``
@@ -18,7 +18,13 @@ plus a norm pass over q and k where the rows are stored normalised):
 state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k e^G S)``), ``o = Qg S + A_qk delta``,
 ``S <- gamma * S + Kd^T delta`` (k and q normalised: raw rows take their norms here). For the backward it stores
 ``S`` per chunk (fp32 by default) and ``delta``.
+
+``forward_launch`` picks the kernels' launch settings (a ``ForwardLaunch``) from the shape, dtype and gate;
+``chunk_kda_fwd`` runs ``launch_chunk_kernel`` then ``launch_output_scan``, and ``recompute_for_backward`` is the
+backward's first stage.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -27,27 +33,70 @@ from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offset
                           fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
                           scan_start, tile_ends, tile_references, unit_lower_inverse)
 
-# Launch knobs, measured on an H200 (bf16, 16x4096x16 unless said; how and when: benchmarks/PERFORMANCE.md).
-# chunk_warps, chunk_bk: 4 warps over 32-wide K slices (16-wide: forward 4.36 against 3.70 ms; 64-wide: 3.29 against
-#   3.17 ms; 8 warps at 128 registers: 4.70 against 3.17 ms).
-# chunk_maxnreg 168: three chunk-kernel programs per SM instead of two, a few registers spilling (forward 3.96 against
-#   4.12 ms uncapped; capped at 128: 4.72 against 3.23 ms). recompute_maxnreg 128: the backward's recompute (T, A_qk
-#   and the norms loaded) fits it without spilling, four programs per SM (forward + backward 15.10 -> 15.00 ms).
-# chunk_stages 4: the K loops software-pipelined (bounded forward 3.15 / 3.06 / 3.00 ms at 2 / 3 / 4 stages);
-#   safe_chunk_stages 2 where the diagonal blocks may take the safe path, which deeper pipelining slows (softplus
-#   forward 6.63 ms at 2 stages, 7.19 at 3, 6.94 at 4).
-# scan_warps, scan_bv, scan_stages: the output scan's warps, V tile (None: ``scan_launch`` picks) and pipelining
-#   (8 warps or 32-wide tiles: 4.05 against 3.23 ms; 2 stages: 3.30 against 3.17 ms).
-# inv_prec "ieee": the 16x16 inverse's products in fp32; tf32 there gains nothing (chunk kernel 2.06 ms either way).
-# state_fp32: the per-chunk states the backward reads stay fp32 for bf16 inputs; in bf16, varlen dk was off by 2.5e-2
-#   against the fp32 reference (large initial states). It costs 0.7 of 24.3 ms forward + backward.
-# factored_min_pairs 64: from this many (sequence, head) pairs up the output forward leaves W and U to its scan
-#   (``forms_wu``): forward 3.62 -> 3.24 ms at 256 pairs, 11.59 -> 10.67 ms at 1x32768x96, but 5.31 -> 5.45 ms at
-#   1x65536x16, 16 pairs whose scans are the critical path (5.31 -> 5.35 ms still, after the scan took the raw rows).
-# stop_after "chunk": the forward ends after the chunk kernel (per-stage timing only).
-CONFIG = dict(chunk_warps=4, chunk_bk=32, chunk_stages=4, safe_chunk_stages=2, chunk_maxnreg=168,
-              recompute_maxnreg=128, scan_warps=4, scan_bv=None, scan_stages=1, inv_prec="ieee", state_fp32=True,
-              factored_min_pairs=64, stop_after=None)
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """How the forward's two kernels are launched; ``forward_launch`` picks one per call."""
+
+    chunk_warps: int  # warps of the chunk kernel
+    chunk_bk: int  # width of the chunk kernel's K and V slices (at most K and V)
+    chunk_stages: int  # software-pipelining depth of the chunk kernel's K loops
+    chunk_maxnreg: int | None  # register cap of the chunk kernel (None: the compiler's choice)
+    inv_prec: str  # input precision of the 16x16 inverse's products: "ieee" (fp32) or "tf32"
+    form_wu: bool  # the chunk kernel forms W and U; else the output scan applies T to v - k e^G S itself
+    scan_warps: int  # warps of the scan over the chunks
+    scan_bv: int  # width of each scan program's V tile
+    scan_stages: int  # software-pipelining depth of the scan
+    state_fp32: bool  # the backward's recompute stores the per-chunk states in fp32, else in the storage dtype
+
+
+def forward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, gate_lower_bound: float | None, *,
+                   for_backward: bool = False, loads_scores: bool = False) -> ForwardLaunch:
+    """The launch of a forward over ``pairs`` (sequence, head) pairs with head dims K, V, inputs of ``dtype`` and the
+    gate of ``gate_lower_bound``; ``for_backward``: the backward's recompute, which stores the per-chunk states and
+    reads W and U, and ``loads_scores``: one that loads the forward's kept T, A_qk and norms. The values ran fastest
+    on an H200 (bf16, B x T x H = 16 x 4096 x 16, K = V = 128, unless a comment names other shapes)."""
+    scan_bv, scan_stages = scan_tile(V, pairs, storage_dtype(dtype), 1, stores_states=for_backward)
+    return ForwardLaunch(
+        chunk_warps=4,  # 4 (8 are slower, also at a 128-register cap)
+        chunk_bk=32,  # 32-wide slices (16 and 64 are slower)
+        # 4 stages where every tile is a GEMM (bounded gate in the safe range); 2 where the safe path may run, which
+        # deeper pipelining slows
+        chunk_stages=4 if fast_diag(gate_lower_bound) else 2,
+        # 168: three programs per SM, a few registers spilling; 128 for a recompute that loads the kept scores: four
+        # per SM without spilling
+        chunk_maxnreg=128 if loads_scores else 168,
+        inv_prec="ieee",  # fp32 products: tf32 is no faster there
+        # W and U in the chunk kernel below 64 pairs (1 x 65536 x 16: a few scans are the critical path), in the scan
+        # from 64 up (256 pairs, 1 x 32768 x 96); the backward reads W and U
+        form_wu=for_backward or pairs < 64,
+        scan_warps=4,  # 4 (8 are slower)
+        scan_bv=scan_bv,
+        scan_stages=scan_stages,  # 1 where the tile allows it (2 are slower)
+        state_fp32=True,  # bf16 states cost varlen dk 2.5e-2 against the fp32 reference, for 3% of forward + backward
+    )
+
+
+def scan_tile(V: int, pairs: int, storage: torch.dtype, stages: int, *, stores_states: bool) -> tuple[int, int]:
+    """(V tile width, pipelining stages) of a scan over ``pairs`` (sequence, head) pairs that would take ``stages``:
+    narrower V tiles where there are few pairs, so that every SM gets programs (on the H200 the scans that store
+    per-chunk states ran fastest 64 wide from 256 pairs up, 32 from 64, else 16; the output scan keeps 64 down to 64
+    pairs); fp32 buffers in 32-wide tiles of one stage (two overflow shared memory); bf16 tiles narrower than 64 at
+    least two stages (``check_scan_launch``)."""
+    BV = min(V, 64 if pairs >= (256 if stores_states else 64) else (32 if pairs >= 64 else 16))
+    if storage == torch.float32:
+        return min(BV, 32), 1
+    return BV, (max(stages, 2) if BV < 64 else stages)
+
+
+def check_scan_launch(bv: int, stages: int, storage: torch.dtype):
+    """Unpipelined bf16 scans on tiles narrower than 64 are miscompiled by Triton 3.6 for the H200 (compute-sanitizer:
+    invalid shared-memory reads in the state update; wrong gradients, NaN or an illegal address)."""
+    if storage == torch.bfloat16 and bv < 64 and stages < 2:
+        raise ValueError(
+            f"a bf16 scan on {bv}-wide V tiles needs at least 2 pipeline stages (got {stages}): Triton 3.6 "
+            "miscompiles it unpipelined; use scan_stages=2 or 64-wide tiles."
+        )
 
 
 @triton.jit
@@ -77,12 +126,12 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
     Accumulated over K in BK-wide slices. Per row tile R the decay is split at a reference ``r_R``
     (``chunk_tiles.py``): row operand ``x_i e^(G_i - r_R)`` (rows of tile R only), column operand
     ``k_j e^(r_R - G_j)`` on the columns tile R may see, so each row tile is one M = 64 GEMM."""
-    o_t = tl.arange(0, 64)
+    o_t = tl.arange(0, BT)
     tile = o_t // 16
-    kk = tl.zeros((64, 64), dtype=tl.float32)
-    qk = tl.zeros((64, 64), dtype=tl.float32)
-    sk = tl.zeros((64,), dtype=tl.float32)
-    sq = tl.zeros((64,), dtype=tl.float32)
+    kk = tl.zeros((BT, BT), dtype=tl.float32)
+    qk = tl.zeros((BT, BT), dtype=tl.float32)
+    sk = tl.zeros((BT,), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         pk, mk = chunk_offsets64(bos, t0, L, i_h, o_k, H, K)
@@ -247,41 +296,14 @@ def _scan_kernel(Wb, Ub, Tb, beta, Nb, Qgb, Kdb, Aqb, gam, o, h0, ht, hbuf, dbuf
         tl.store(ht + ps, S)
 
 
-def mm_dtype(x: torch.Tensor):
-    """Tensor-core operand dtype: bf16 for bf16 inputs, fp32 (tf32 on GPU) for fp16 / fp32."""
-    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
+def mm_dtype(dtype: torch.dtype):
+    """Tensor-core operand dtype for inputs of ``dtype``: bf16 for bf16, fp32 (tf32 on GPU) for fp16 / fp32."""
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float32
 
 
-def storage_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-
-
-def scan_launch(V: int, NH: int, storage: torch.dtype, bv: int | None, stages: int, stores_states: bool = True):
-    """(BV, num_stages) of a scan over NH (sequence, head) pairs: narrower V tiles when there are few pairs, so
-    that every SM gets a scan, and one pipeline stage for fp32 buffers (two overflow shared memory). The forward's
-    output scan (no per-chunk states stored) keeps 64-wide tiles down to 64 pairs; forward only on the H200 (stop 15):
-    4x16384x16 4.25 -> 4.03 ms, 1x32768x96 12.71 -> 11.55 ms; 16 pairs stay fastest on 16-wide tiles (5.32 ms, 5.49
-    on 32) and 256 pairs on 64-wide ones (3.64 ms, 3.73 on 128).
-
-    bf16 scans on tiles narrower than 64 always take two stages: unpipelined, Triton 3.6 miscompiles them on the
-    H200 (16-wide tiles: compute-sanitizer reports invalid shared-memory reads in the state update; wrong
-    gradients, NaN, or an illegal address). Checked there: two stages at 16 (both scans) and at 32 (the backward
-    scan), one at 64."""
-    BV = min(V, bv or (64 if NH >= (256 if stores_states else 64) else (32 if NH >= 64 else 16)))
-    if storage == torch.float32:
-        return min(BV, 32), 1
-    return BV, (max(stages, 2) if BV < 64 else stages)
-
-
-def forms_wu(NH: int, for_backward: bool) -> bool:
-    """Whether the chunk kernel forms ``W`` and ``U`` for a forward over NH (sequence, head) pairs. The backward
-    reads them, so its recompute always does. The output forward can instead leave ``delta = T diag(beta)
-    (v - kn e^G S)`` to the scan, which then reads T, beta, ``k e^G``, v and the rows' norms: the chunk kernel skips
-    two passes over K and V (in bf16 a 2-byte read and write per channel of each) and its norm pass over q and k (it
-    stores the gated rows raw), the scan's step gains a dependent product.
-    That pays when many scans share the GPU, not when a few are its critical path (``CONFIG["factored_min_pairs"]``).
-    """
-    return for_backward or NH < CONFIG["factored_min_pairs"]
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the chunk buffers for inputs of ``dtype``: bf16 for bf16, else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
@@ -304,69 +326,155 @@ def prepare_varlen(cu_seqlens: torch.Tensor, T: int):
     return idx, offs.to(torch.int32).contiguous(), NS
 
 
-def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, output_final_state,
-                  cu_seqlens, *, keep_scores=False, scores=None, for_backward=False):
-    """Launch the forward. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (raw logits).
+@dataclass(frozen=True)
+class KdaCall:
+    """One call of the chunked kernels: its inputs as they take them and where its chunks lie.
 
-    Returns (o [B, T, H, V] in v.dtype, final_state fp32 or None, scores). ``keep_scores``: scores are the chunk
-    matrices and the rows' inverse norms ``(A_qk, T, norms)`` ([B, T, H, 64] in the storage dtype, [B, T, H, 2] fp32)
-    for the backward, else None. With ``for_backward`` it skips o and returns the buffers the backward needs instead,
-    as a dict: T, Aqk [B, T, H, 64]; W, Qg, Kd [B, T, H, K]; norms [B, T, H, 2] fp32 (1 / ||k||, 1 / ||q|| per token);
-    gam [NS, H, K] fp32; h [NS, H, K, V] (state at each chunk start; fp32 with ``state_fp32``) and delta
-    [B, T, H, V] (storage dtype), plus the varlen bookkeeping chunk_indices, chunk_offsets, NS, N. Given the
-    forward's ``scores`` it loads them instead of recomputing the gated scores, the inverse and the norms (most of
-    the chunk kernel's work)."""
+    q, k, g: [B, T, H, K] (g the raw gate logits); v: [B, T, H, V]; beta: [B, T, H] logits; A_log [H] and dt_bias
+    [H*K] fp32; cu_seqlens [N+1] offsets of N packed sequences (B == 1) or None. ``NS`` chunk slots in all; with
+    cu_seqlens, ``chunk_indices`` and ``chunk_offsets`` from ``prepare_varlen``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    gate_lower_bound: float | None
+    scale: float
+    cu_seqlens: torch.Tensor | None
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+    NS: int
+    N: int
+
+    @property
+    def pairs(self) -> int:
+        """(sequence, head) pairs: the scans run one program per pair and V tile."""
+        return self.N * self.q.shape[2]
+
+    @property
+    def lb(self) -> float:
+        """The gate bound as the kernels take it (0.0, unused, for the softplus gate)."""
+        return 0.0 if self.gate_lower_bound is None else float(self.gate_lower_bound)
+
+
+def kda_call(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens) -> KdaCall:
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        return KdaCall(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, None, None, None,
+                       NS=B * triton.cdiv(T, BT.value), N=B)
+    chunk_indices, chunk_offsets, NS = prepare_varlen(cu_seqlens, T)
+    return KdaCall(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens, chunk_indices,
+                   chunk_offsets, NS=NS, N=cu_seqlens.numel() - 1)
+
+
+@dataclass
+class ChunkBuffers:
+    """What the chunk kernel writes, in the storage dtype unless said: ``W`` [B, T, H, K] (``T diag(beta) (kn e^G)``,
+    or ``k e^G`` where the scan forms delta, ``form_wu``), ``U`` [B, T, H, V] (``T diag(beta) v``, or v itself),
+    ``Qg``, ``Kd`` [B, T, H, K], ``Aqk`` and the WY matrix ``T`` [B, T, H, 64], the rows' inverse norms ``norms``
+    [B, T, H, 2] fp32 (1 / ||k||, 1 / ||q||; these two None where neither a backward nor the scan reads them) and
+    ``gam`` [NS, H, K] fp32. The backward drops each buffer (sets it to None) once its last kernel has run."""
+
+    W: torch.Tensor | None
+    U: torch.Tensor | None
+    Qg: torch.Tensor | None
+    Kd: torch.Tensor | None
+    Aqk: torch.Tensor | None
+    T: torch.Tensor | None
+    norms: torch.Tensor | None
+    gam: torch.Tensor | None
+    form_wu: bool
+
+
+def launch_chunk_kernel(call: KdaCall, launch: ForwardLaunch, *, store_scores: bool,
+                        scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> ChunkBuffers:
+    """The chunk kernel over every chunk and head. ``store_scores``: also write T and the norms for a backward;
+    ``scores``: the forward's kept ``(A_qk, T, norms)``, loaded instead of recomputing the gated scores, the inverse
+    and the norms (most of the kernel's work)."""
+    q, k, v = call.q, call.k, call.v
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    if cu_seqlens is not None:
-        chunk_indices, chunk_offsets, NS = prepare_varlen(cu_seqlens, T)
-        N = cu_seqlens.numel() - 1
-    else:
-        chunk_indices = chunk_offsets = None
-        NS = B * triton.cdiv(T, BT.value)
-        N = B
-    sd = storage_dtype(v)
-    MMA = mm_dtype(v)
+    sd = storage_dtype(v.dtype)
     W = torch.empty(B, T, H, K, device=dev, dtype=sd)
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)
-    form_wu = forms_wu(N * H, for_backward)
-    U = torch.empty(B, T, H, V, device=dev, dtype=sd) if form_wu else v  # else the scan reads v itself
+    U = torch.empty(B, T, H, V, device=dev, dtype=sd) if launch.form_wu else v  # else the scan reads v itself
     if scores is not None:
         Aqk, Tm, norms = scores
     else:
         Aqk = torch.empty(B, T, H, BT.value, device=dev, dtype=sd)
-        kept = keep_scores or for_backward or not form_wu  # T and the norms: for the backward or for the scan
+        kept = store_scores or not launch.form_wu  # T and the norms: for the backward or for the scan
         Tm = torch.empty_like(Aqk) if kept else None
         norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if kept else None
-    gam = torch.empty(NS, H, K, device=dev, dtype=torch.float32)
-    BOUNDED = gate_lower_bound is not None
-    lb = float(gate_lower_bound) if BOUNDED else 0.0
-    FAST_DIAG = fast_diag(gate_lower_bound)
-    _chunk_kernel[(NS, H)](
-        q, k, v, g, beta, A_log, dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, cu_seqlens, chunk_indices, T, scale, lb,
-        H=H, K=K, V=V, BK=min(K, CONFIG["chunk_bk"]), BV=min(V, CONFIG["chunk_bk"]), IS_VARLEN=cu_seqlens is not None,
-        BOUNDED=BOUNDED, FAST_DIAG=FAST_DIAG, MMA=MMA, INV_PREC=CONFIG["inv_prec"],
+    gam = torch.empty(call.NS, H, K, device=dev, dtype=torch.float32)
+    _chunk_kernel[(call.NS, H)](
+        q, k, v, call.g, call.beta, call.A_log, call.dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, call.cu_seqlens,
+        call.chunk_indices, T, call.scale, call.lb, H=H, K=K, V=V, BK=min(K, launch.chunk_bk), BV=min(V, launch.chunk_bk),
+        IS_VARLEN=call.cu_seqlens is not None, BOUNDED=call.gate_lower_bound is not None,
+        FAST_DIAG=fast_diag(call.gate_lower_bound), MMA=mm_dtype(v.dtype), INV_PREC=launch.inv_prec,
         STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
-        STORE_NORMS=norms is not None and scores is None, FORM_WU=form_wu,
-        num_warps=CONFIG["chunk_warps"],
-        num_stages=CONFIG["chunk_stages" if FAST_DIAG else "safe_chunk_stages"],
-        maxnreg=CONFIG["recompute_maxnreg" if scores is not None else "chunk_maxnreg"])
-    if CONFIG["stop_after"] == "chunk":
-        return None, None, None
-    o = None if for_backward else torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
-    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    state_dtype = torch.float32 if CONFIG["state_fp32"] else sd
-    hbuf = torch.empty(NS, H, K, V, device=dev, dtype=state_dtype) if for_backward else None
-    dbuf = torch.empty_like(U) if for_backward else None
-    BVs, stages = scan_launch(V, N * H, sd, CONFIG["scan_bv"], CONFIG["scan_stages"], stores_states=for_backward)
-    _scan_kernel[(triton.cdiv(V, BVs), N * H)](
-        W, U, Tm, beta, norms, Qg, Kd, Aqk, gam, o if o is not None else U, initial_state, ht, hbuf, dbuf, cu_seqlens,
-        chunk_offsets, T, H=H, K=K, V=V, BV=BVs, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, STORE_H=for_backward, STORE_D=for_backward, WRITE_O=not for_backward,
-        FORM_WU=form_wu, MMA=MMA, num_warps=CONFIG["scan_warps"], num_stages=stages)
-    if for_backward:
-        return dict(T=Tm, Aqk=Aqk, W=W, Qg=Qg, Kd=Kd, gam=gam, norms=norms, h=hbuf, delta=dbuf, ht=ht,
-                    chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NS=NS, N=N)
-    return o, ht, ((Aqk, Tm, norms) if keep_scores else None)
+        STORE_NORMS=norms is not None and scores is None, FORM_WU=launch.form_wu,
+        num_warps=launch.chunk_warps, num_stages=launch.chunk_stages, maxnreg=launch.chunk_maxnreg)
+    return ChunkBuffers(W, U, Qg, Kd, Aqk, Tm, norms, gam, launch.form_wu)
+
+
+def _launch_scan(call, bufs, launch, initial_state, o, ht, hbuf, dbuf):
+    """``_scan_kernel`` over every (sequence, head) pair and V tile; it writes whichever of o, ht (the output
+    forward) and hbuf, dbuf (the backward's recompute) are given."""
+    T, H, K = call.q.shape[1:]
+    V = call.v.shape[-1]
+    check_scan_launch(launch.scan_bv, launch.scan_stages, bufs.W.dtype)
+    _scan_kernel[(triton.cdiv(V, launch.scan_bv), call.pairs)](
+        bufs.W, bufs.U, bufs.T, call.beta, bufs.norms, bufs.Qg, bufs.Kd, bufs.Aqk, bufs.gam,
+        o if o is not None else bufs.U, initial_state, ht, hbuf, dbuf, call.cu_seqlens, call.chunk_offsets, T,
+        H=H, K=K, V=V, BV=launch.scan_bv, IS_VARLEN=call.cu_seqlens is not None, HAS_H0=initial_state is not None,
+        STORE_HT=ht is not None, STORE_H=hbuf is not None, STORE_D=dbuf is not None, WRITE_O=o is not None,
+        FORM_WU=bufs.form_wu, MMA=mm_dtype(call.v.dtype), num_warps=launch.scan_warps, num_stages=launch.scan_stages)
+
+
+def launch_output_scan(call: KdaCall, bufs: ChunkBuffers, launch: ForwardLaunch, initial_state: torch.Tensor | None,
+                       output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward's scan: ``(o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)``."""
+    B, T, H, K = call.q.shape
+    V = call.v.shape[-1]
+    o = torch.empty(B, T, H, V, device=call.v.device, dtype=call.v.dtype)
+    ht = torch.empty(call.N, H, K, V, device=o.device, dtype=torch.float32) if output_final_state else None
+    _launch_scan(call, bufs, launch, initial_state, o, ht, None, None)
+    return o, ht
+
+
+def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, initial_state, output_final_state,
+                  cu_seqlens, *, keep_scores: bool = False, launch: ForwardLaunch | None = None):
+    """The chunked forward. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (raw logits).
+
+    Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None, scores): with ``keep_scores``, scores
+    are the chunk matrices and the rows' inverse norms ``(A_qk, T, norms)`` ([B, T, H, 64] in the storage dtype,
+    [B, T, H, 2] fp32) for the backward, else None. ``launch``: ``forward_launch``'s for this call unless given."""
+    call = kda_call(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens)
+    launch = launch or forward_launch(q.shape[-1], v.shape[-1], call.pairs, v.dtype, gate_lower_bound)
+    bufs = launch_chunk_kernel(call, launch, store_scores=keep_scores)
+    o, ht = launch_output_scan(call, bufs, launch, initial_state, output_final_state)
+    return o, ht, ((bufs.Aqk, bufs.T, bufs.norms) if keep_scores else None)
+
+
+def recompute_for_backward(call: KdaCall, launch: ForwardLaunch, initial_state: torch.Tensor | None,
+                           scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """The backward's first stage: ``(bufs, h, delta)``, the chunk buffers the backward reads (U dropped; T, A_qk
+    and the norms loaded from the forward's ``scores`` where it kept them), the state at every chunk start ``h``
+    [NS, H, K, V] (fp32 with ``launch.state_fp32``, else the storage dtype) and ``delta = U - W h`` [B, T, H, V]
+    (storage dtype)."""
+    if not launch.form_wu:
+        raise ValueError("the backward reads W and U: its recompute needs a launch with form_wu=True.")
+    bufs = launch_chunk_kernel(call, launch, store_scores=True, scores=scores)
+    B, T, H, K = call.q.shape
+    sd = storage_dtype(call.v.dtype)
+    h = torch.empty(call.NS, H, K, call.v.shape[-1], device=call.q.device,
+                    dtype=torch.float32 if launch.state_fp32 else sd)
+    delta = torch.empty_like(bufs.U)
+    _launch_scan(call, bufs, launch, initial_state, None, None, h, delta)
+    bufs.U = None  # delta replaces it
+    return bufs, h, delta

@@ -20,9 +20,11 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
 """
 
 from ..backend import tl, triton
+from .reference import L2NORM_EPS
+from .tile_limits import CHUNK_SIZE, SAFE_LOWER_BOUND
 
-BT = tl.constexpr(64)  # chunk length (a constexpr so kernels can read it; host code uses BT.value)
-SAFE_LOWER_BOUND = 5.9  # |gate_lower_bound| up to which the diagonal tiles are dense GEMMs
+BT = tl.constexpr(CHUNK_SIZE)  # the chunk length as a constexpr the kernels read
+NORM_EPS = tl.constexpr(L2NORM_EPS)
 DIAG_SPAN = tl.constexpr(16 * SAFE_LOWER_BOUND)  # the largest decay (-log) across a tile whose diagonal is a GEMM
 SUBTILE = tl.constexpr(4)  # rows of the quarter tiles the diagonal blocks fall back to where a tile decays too far
 
@@ -67,14 +69,14 @@ def chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K: tl.constexpr, BOUNDED: t
 @triton.jit
 def chunk_end(G):
     """The chunk's total decay ``G_end`` ([BK]): exactly G's last row, so the last token's ``e^(G_end - G)`` is 1."""
-    return tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), 0)
+    return tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], G, 0.0), 0)
 
 
 @triton.jit
 def tile_ends(G):
     """G at the end of tiles 0..3, ``c_1..c_4`` ([BK] each; ``c_4 = G_end``), in one reduction across the warps
     (four separate sums took a barrier each)."""
-    o_t = tl.arange(0, 64)[:, None]
+    o_t = tl.arange(0, BT)[:, None]
     return tl.reduce((tl.where(o_t == 15, G, 0.0), tl.where(o_t == 31, G, 0.0), tl.where(o_t == 47, G, 0.0),
                       tl.where(o_t == 63, G, 0.0)), 0, _add4)
 
@@ -91,7 +93,7 @@ def tile_references(G, c1, c2, c3, c4, FAST_DIAG: tl.constexpr):
     decays by more than ``DIAG_SPAN`` across any of its tiles, checked here), the row tiles' decay references ([BK]
     each, see ``tile_reference``) and every row's factor against its own tile's reference, ``e^(G_i - r_R(i))``
     ([64, BK])."""
-    tile = (tl.arange(0, 64) // 16)[:, None]
+    tile = (tl.arange(0, BT) // 16)[:, None]
     if FAST_DIAG:
         diag = True
     else:  # G falls along the chunk: a tile's span is its start's decay minus its end's
@@ -109,7 +111,7 @@ def tile_references(G, c1, c2, c3, c4, FAST_DIAG: tl.constexpr):
 def column_factor(G, r, R: tl.constexpr, diag):
     """``e^(r - G_j)`` on the columns row tile R sees through the GEMM, 0 elsewhere ([64, BK]): the tiles before
     it, and its own when its diagonal block is in the GEMM (``diag``; else that block takes the safe path)."""
-    o_t = tl.arange(0, 64)
+    o_t = tl.arange(0, BT)
     if diag:
         seen = o_t < 16 * (R + 1)
     else:
@@ -179,7 +181,7 @@ def _subtile_scores(kk, qk, kt, qt, G, S: tl.constexpr, MMA: tl.constexpr):
 @triton.jit
 def _diagonal_blocks():
     """[64, 64] mask of the four diagonal [16, 16] blocks: the pairs of rows in one tile."""
-    tile = tl.arange(0, 64) // 16
+    tile = tl.arange(0, BT) // 16
     return tile[:, None] == tile[None, :]
 
 
@@ -188,7 +190,7 @@ def _subtile_factors(G, s, S: tl.constexpr):
     """Sub-tile s of every tile (rows s .. s + S - 1) split at its mid decay ``rho``: the row factors
     ``e^(G_i - rho)`` of the rows from it on and the column factors ``e^(rho - G_j)`` of its own rows, 0 elsewhere
     ([64, BK] each; both within e^(DIAG_SPAN / 2) on the sub-tile when ``_subtile_span`` is)."""
-    pos = tl.arange(0, 64) % 16
+    pos = tl.arange(0, BT) % 16
     rho = 0.5 * _tile_sum(tl.where(((pos == s) | (pos == s + S - 1))[:, None], G, 0.0))
     rows = tl.exp(tl.where((pos >= s)[:, None], G - rho, float("-inf")))
     cols = tl.exp(tl.where(((pos >= s) & (pos < s + S))[:, None], rho - G, float("-inf")))
@@ -199,7 +201,7 @@ def _subtile_factors(G, s, S: tl.constexpr):
 def _column_scores(kk, qk, kt, qt, G):
     """The diagonal blocks one column of every block at a time, with the pairwise decay e^(G_i - G_j) <= 1 formed
     directly: no decay is too steep for it."""
-    o_t = tl.arange(0, 64)
+    o_t = tl.arange(0, BT)
     pos = o_t % 16
     for jj in range(16):
         sel = (pos == jj)[:, None]
@@ -262,10 +264,10 @@ def _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr
     """``diagonal_grads`` one column of every block at a time, with the pairwise decay formed directly, for the pairs
     j < i (the gate kernel adds i = j apart). dL_ij, dA_ij and kn_j (k times its row's inverse norm in Nb) are
     loaded again per column, L1 hits, rather than gathered from registers across the threads (``tok``: the rows'
-    token-head indices, ``o_k`` the slice's channels, the first ``n_rows`` rows in the sequence). That took the
-    softplus forward + backward at 16x4096x16 from 47.0 to 29.5 ms (H200); ``_column_scores`` keeps its gathers, since
-    loading there made the forward slower (7.9 -> 8.5 ms)."""
-    o_t = tl.arange(0, 64)
+    token-head indices, ``o_k`` the slice's channels, the first ``n_rows`` rows in the sequence): on the H200 the
+    softplus forward + backward at 16 x 4096 x 16 takes 29.5 ms so, 47.0 with gathers. ``_column_scores`` gathers:
+    loading is slower there (forward 8.5 against 7.9 ms)."""
+    o_t = tl.arange(0, BT)
     pos = o_t % 16
     rl = tl.zeros_like(bk)
     rq = tl.zeros_like(bk)
@@ -275,8 +277,8 @@ def _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr
         sel = (pos == jj)[:, None]
         e = tl.exp(tl.where((pos > jj)[:, None], G - _tile_row(G, sel), float("-inf")))
         j = o_t - pos + jj  # column 16 * tile(i) + jj of row i
-        pl = tl.load(dLb + tok * 64 + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
-        pq = tl.load(dAqb + tok * 64 + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
+        pl = tl.load(dLb + tok * BT + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
+        pq = tl.load(dAqb + tok * BT + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
         tj = tok + (j - o_t) * H  # row j's token-head index
         mj = j < n_rows
         kj = tl.load(k + tj[:, None] * K + o_k[None, :], mask=mj[:, None], other=0.0).to(tl.float32) * \
@@ -335,15 +337,15 @@ def lower_block_matrix(b00, b10, b11, b20, b21, b22, b30, b31, b32, b33):
 @triton.jit
 def chunk_offsets64(bos, t0, L, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
     """Element offsets [64, len(o_d)] of one chunk of a [B, T, H, D] tensor and its row mask [64, 1]."""
-    o_t = t0 + tl.arange(0, 64)
+    o_t = t0 + tl.arange(0, BT)
     return ((bos + o_t) * H + i_h).to(tl.int64)[:, None] * D + o_d[None, :], (o_t < L)[:, None]
 
 
 @triton.jit
 def inverse_row_norms(q, k, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """1 / ||k_i|| and 1 / ||q_i|| of one chunk's rows ([64] each, eps 1e-6 as in the forward), over K in BK slices."""
-    sk = tl.zeros((64,), dtype=tl.float32)
-    sq = tl.zeros((64,), dtype=tl.float32)
+    """1 / ||k_i|| and 1 / ||q_i|| of one chunk's rows ([64] each), over K in BK slices."""
+    sk = tl.zeros((BT,), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
     for kb in range(0, K, BK):
         pk, mk = chunk_offsets64(bos, t0, L, i_h, kb + tl.arange(0, BK), H, K)
         x = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32)
@@ -355,8 +357,8 @@ def inverse_row_norms(q, k, bos, t0, L, i_h, H: tl.constexpr, K: tl.constexpr, B
 
 @triton.jit
 def inverse_norm(sum_of_squares):
-    """1 / ||x|| from a row's sum of squares, with the forward's eps (1e-6)."""
-    return tl.rsqrt(sum_of_squares + 1e-6)
+    """1 / ||x|| from a row's sum of squares."""
+    return tl.rsqrt(sum_of_squares + NORM_EPS)
 
 
 @triton.jit
@@ -392,12 +394,12 @@ def chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN: tl.constexpr):
         bos = tl.load(cu_seqlens + i_n).to(tl.int32)
         L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
     else:
-        NT = tl.cdiv(T, 64)
+        NT = tl.cdiv(T, BT)
         bos = (i_p // NT) * T
         i_c = i_p % NT
         L = T
         ok = i_p >= 0
-    return ok, bos, i_c * 64, L
+    return ok, bos, i_c * BT, L
 
 
 @triton.jit
@@ -410,7 +412,7 @@ def seq_coords(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN: tl.constexpr):
     else:
         bos = i_n * T
         L = T
-        c_off = i_n * tl.cdiv(T, 64)
+        c_off = i_n * tl.cdiv(T, BT)
     return bos, L, c_off
 
 

@@ -10,17 +10,29 @@ The kernel is bound by the state traffic (read + write ``B*H*K*V*4`` bytes); eac
 ``[K, BV]`` slab of one head's state.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..backend import op_for_call, tl, triton
+from .chunk_tiles import NORM_EPS
 from .chunk_tiles import gate as _gate
 from .tile_limits import require_triton_tiles
 
-# launch knobs (benchmarks/kda.py times the alternatives at batch 256): on an H200 (2026-12-03) 64-wide V tiles at 4
-# warps took 0.137 ms against 0.142 ms for 32-wide ones, 92% of the copy bandwidth
-CONFIG = dict(bv=64, warps=4)
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the decode kernel is launched; ``decode_launch`` picks one per call."""
+
+    bv: int  # width of the [K, BV] state slab each program owns
+    warps: int  # warps per program
+
+
+def decode_launch(V: int) -> DecodeLaunch:
+    """64-wide slabs at 4 warps: the fastest at batch 256, 16 heads of K = V = 128 on an H200 (92% of the copy
+    bandwidth; 32-wide slabs are 4% slower)."""
+    return DecodeLaunch(bv=min(V, 64), warps=4)
 
 
 @triton.jit
@@ -39,8 +51,8 @@ def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
     bb = tl.sigmoid(tl.load(beta + i_bh).to(tl.float32))
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-    bq = bq * (tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale)
-    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
+    bq = bq * (tl.rsqrt(tl.sum(bq * bq, 0) + NORM_EPS) * scale)
+    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + NORM_EPS)
     S = S * tl.exp(_gate(bg, bias, a, lb, BOUNDED))[:, None]
     delta = bb * (bv - tl.sum(S * bk[:, None], 0))
     S = S + bk[:, None] * delta[None, :]
@@ -48,17 +60,23 @@ def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
     tl.store(o + i_bh * V + o_v, tl.sum(S * bq[:, None], 0).to(o.dtype.element_ty))
 
 
+def launch_decode(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound, scale, launch: DecodeLaunch):
+    """The decode kernel on contiguous q, k, g [B, H, K], v [B, H, V], beta [B, H] and the state [B, H, K, V] (updated
+    in place); returns o [B, H, V] in v.dtype."""
+    B, H, K, V = state.shape
+    o = torch.empty(B, H, V, device=v.device, dtype=v.dtype)
+    _decode_kernel[(triton.cdiv(V, launch.bv), B * H)](
+        q, k, v, g, beta, A_log, dt_bias, state, o, scale,
+        float(gate_lower_bound) if gate_lower_bound is not None else 0.0,
+        H=H, K=K, V=V, BV=launch.bv, BOUNDED=gate_lower_bound is not None, num_warps=launch.warps)
+    return o
+
+
 def _decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                  gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
-    B, H, K, V = state.shape
-    o = torch.empty(B, H, V, device=v.device, dtype=v.dtype)
-    BV = min(V, CONFIG["bv"])
-    _decode_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g, beta, A_log, dt_bias, state, o, scale,
-        float(gate_lower_bound) if gate_lower_bound is not None else 0.0,
-        H=H, K=K, V=V, BV=BV, BOUNDED=gate_lower_bound is not None, num_warps=CONFIG["warps"])
-    return o
+    return launch_decode(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound, scale,
+                         decode_launch(state.shape[-1]))
 
 
 kda_decode_step_op = torch.library.custom_op("kda_moe::kda_decode_step", _decode_step, mutates_args=("state",))

@@ -12,12 +12,16 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .tile_limits import CHUNK_SIZE
+
+L2NORM_EPS = 1e-6  # of the q and k L2 norms, x / sqrt(sum(x^2) + eps), here and in the kernels
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """``x / sqrt(sum(x^2, -1) + eps)`` over the last dim, computed and returned in fp32."""
     x = x.to(_compute_dtype(x))
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
@@ -148,7 +152,7 @@ def chunk_kda(
     initial_state=None,
     output_final_state: bool = False,
     cu_seqlens=None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ):
     """Chunked KDA (WY / UT transform), the same function as ``recurrent_kda``; differentiable.
 

@@ -9,7 +9,9 @@ import torch
 
 from ..backend import op_for_call, tl, triton
 
-ROWS = 16
+# Launch settings of the norm kernels, fixed (not tuned: the norm is a small share of a KDA layer's time):
+ROWS = 16  # rows per block, in both kernels
+BACKWARD_BLOCKS = 8  # row blocks per backward program: one partial weight gradient per 128 rows
 
 
 @triton.jit
@@ -71,13 +73,12 @@ def gated_rms_norm_bwd_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
                           dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     D = x.shape[-1]
     M = x.numel() // D
-    ITERS = 8
-    grid = triton.cdiv(M, ROWS * ITERS)
+    grid = triton.cdiv(M, ROWS * BACKWARD_BLOCKS)
     dx = torch.empty_like(x)
     dgate = torch.empty_like(gate)
     dw_part = torch.empty(grid, D, device=x.device, dtype=torch.float32)
     _grn_bwd_kernel[(grid,)](x, gate, weight, dy.contiguous(), dx, dgate, dw_part, M, eps, D=D,
-                             BD=triton.next_power_of_2(D), ROWS=ROWS, ITERS=ITERS)
+                             BD=triton.next_power_of_2(D), ROWS=ROWS, ITERS=BACKWARD_BLOCKS)
     return dx, dgate, dw_part.sum(0).to(weight.dtype)
 
 
@@ -101,7 +102,7 @@ def _backward(ctx, dy):
 torch.library.register_autograd("kda_moe::gated_rms_norm_fwd", _backward, setup_context=_setup)
 
 
-def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
     """Triton ``gated_rms_norm``: x, gate ``[..., D]``; weight ``[D]``; returns x.dtype."""
     return op_for_call(gated_rms_norm_fwd_op, _norm_fwd)(x.contiguous(), gate.contiguous(), weight.contiguous(),
                                                         float(eps))

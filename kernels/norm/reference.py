@@ -3,7 +3,7 @@
 import torch
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * weight * sigmoid(gate)``. x, gate: ``[..., D]``; weight:
     ``[D]``. Math in fp32 (fp64 for fp64 inputs); output in x.dtype."""
     dtype = torch.promote_types(x.dtype, torch.float32)
