@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Session labels of the development log ("stop 22", "run P"), and the design documents kept outside the repository.
+# Session labels of the development log (the word "stop" or "run" followed by a session number or letter), and the
+# design documents kept outside the repository.
 DIARY = re.compile(r"\bstop [0-9]+|\brun [A-Z][0-9]*\b", re.IGNORECASE)
 OUTSIDE_FILES = re.compile(r"\bSPEC\.md\b|\bSTYLE\.md\b|\.\./shared\b")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".jinja", ".ini", ".cfg", ".txt", ""}
@@ -22,7 +23,7 @@ def tracked_text_files() -> list[Path]:
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("needs a git checkout")
     files = [ROOT / name for name in names.splitlines() if not name.startswith("benchmarks/")]
-    files += [ROOT / "benchmarks" / name for name in ("kda.py", "model.py", "plot.py", "compile_report.py")]
+    files += [path for path in (ROOT / "benchmarks").glob("*.py")]
     return [path for path in files if path.suffix in TEXT_SUFFIXES and path.is_file()]
 
 
