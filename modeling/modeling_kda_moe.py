@@ -1020,12 +1020,18 @@ class KdaMoeAttnRes(nn.Module):
         """partial [B, T, d], blocks [N, B, T, d] or None -> [B, T, d]."""
         if blocks is None:
             return partial
-        with torch.autocast(partial.device.type, enabled=False):
-            values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
-            keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
-            query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
-            weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
-            return (weights[..., None] * values).sum(0).to(partial.dtype)
+        # the context is entered only under autocast: at decoding sizes it costs as much as the mix itself
+        if torch.is_autocast_enabled(partial.device.type):
+            with torch.autocast(partial.device.type, enabled=False):
+                return self.mix(partial, blocks)
+        return self.mix(partial, blocks)
+
+    def mix(self, partial: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
+        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+        query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
+        weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
+        return (weights[..., None] * values).sum(0).to(partial.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
