@@ -548,11 +548,10 @@ class KdaMoeStaticCache(StaticCache):
 
     def allocate(self, config: KdaMoeTextConfig, batch_size: int, dtype: torch.dtype, device) -> None:
         """Allocate every layer's tensors for `batch_size` sequences (activations in `dtype`)."""
-        channels = 3 * config.linear_num_heads * config.linear_head_dim
+        heads, head_dim = config.linear_num_heads, config.linear_head_dim
+        conv_shape = (batch_size, 3 * heads * head_dim, config.linear_conv_kernel_dim - 1)  # q | k | v channels
         for layer in self.layers:
             if isinstance(layer, KdaMoeStaticLinearAttentionCacheLayer):
-                heads, head_dim = config.linear_num_heads, config.linear_head_dim
-                conv_shape = (batch_size, channels, config.linear_conv_kernel_dim - 1)
                 layer.allocate(conv_shape, (batch_size, heads, head_dim, head_dim), dtype, device)
             else:  # the latent [B, 1, S, kv_lora_rank] as keys, the rotary key [B, 1, S, qk_rope_head_dim] as values
                 latent = torch.empty(batch_size, 1, 0, config.kv_lora_rank, dtype=dtype, device=device)
@@ -742,8 +741,9 @@ class KdaMoeMLP(nn.Module):
 def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert: [N, k] -> [E] (int64). A scatter into E counters, not `bincount`, whose output
     length depends on the data: it keeps the shape fixed, so a compiled step neither breaks its graph nor syncs."""
-    indices = topk_indices.flatten()
-    return indices.new_zeros(num_experts, dtype=torch.long).scatter_add_(0, indices, torch.ones_like(indices, dtype=torch.long))
+    indices = topk_indices.flatten().long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=indices.device)
+    return counts.scatter_add_(0, indices, torch.ones_like(indices))
 
 
 QUANTILE_STEP = 0.7
@@ -1157,14 +1157,16 @@ class KdaMoePreTrainedModel(PreTrainedModel):
 
     def _prepare_static_cache(self, cache_implementation: str, batch_size: int, max_cache_len: int, *args, **kwargs):
         """The cache of `cache_implementation="static"` (and `"offloaded_static"`, which moves MLA latents to the CPU
-        between layers): a `KdaMoeStaticCache`, allocated here. Like transformers, it is never shorter than the last
+        between layers): a `KdaMoeStaticCache`, allocated here unless the model is spread over several devices (then
+        each layer allocates on its own device at the prefill). Like transformers, it is never shorter than the last
         one this model built, so a later generate() call reuses the compiled decode step instead of recompiling."""
         max_cache_len = max(max_cache_len, getattr(self, "_previous_max_cache_length", -1))
         self._previous_max_cache_length = max_cache_len
+        one_device = len(set(getattr(self, "hf_device_map", {}).values())) <= 1
         return KdaMoeStaticCache(
             self.config,
             max_cache_len=max_cache_len,
-            batch_size=batch_size,
+            batch_size=batch_size if one_device else None,
             dtype=self.dtype,
             device=self.device,
             offloading="offloaded" in cache_implementation,
@@ -1297,16 +1299,16 @@ def check_attention_mask(
         )
 
 
-def check_cache_room(cache: Cache, new_tokens: int) -> None:
-    """Refuse new tokens that a cache of fixed length (the MLA layers of a static cache) has no room for. It reads the
-    cache's token count on the host, so the text model runs it only outside tracing."""
-    room = cache.get_max_length()
+def check_cache_room(cache: StaticCache, new_tokens: int) -> None:
+    """Refuse new tokens that a static cache's MLA layers have no room for. It reads the cache's token count on the
+    host, so the text model runs it only outside tracing."""
+    room = cache.get_max_length()  # -1 without MLA layers: KDA states hold any number of tokens
     cached = cached_token_count(cache)
     if room >= 0 and cached is not None and cached + new_tokens > room:
         raise ValueError(
             f"The cache holds {cached} tokens of at most {room} (its `max_cache_len`): no room for {new_tokens} more. "
             "Size a static cache for the whole sequence (`generate(..., cache_implementation=\"static\", "
-            "max_cache_len=N)` or `KdaMoeStaticCache(model.config, max_cache_len=N)`), or use the default dynamic cache."
+            "max_cache_len=N)` or `KdaMoeStaticCache(model.config, max_cache_len=N)`), or use the dynamic cache."
         )
 
 
@@ -1333,7 +1335,7 @@ def check_text_inputs(
     tokens = input_ids if input_ids is not None else inputs_embeds
     batch_size, new_tokens = tokens.shape[:2]
     check_attention_mask(attention_mask, batch_size, new_tokens, cache)
-    if cache is not None and not is_tracing(tokens):
+    if isinstance(cache, StaticCache) and not is_tracing(tokens):
         check_cache_room(cache, new_tokens)
 
 

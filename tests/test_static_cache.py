@@ -137,6 +137,19 @@ def test_generate_allocates_the_static_cache_for_batch_and_max_length(model):
             assert layer.values.shape == (2, 1, max_length, config.qk_rope_head_dim)
 
 
+def test_a_static_cache_built_by_the_caller_allocates_at_the_first_forward(model):
+    """`KdaMoeStaticCache(config, max_cache_len)` without a batch size allocates each layer's tensors at the prefill,
+    on the device and in the dtype of the layer's own activations (a model spread over several devices)."""
+    input_ids, attention_mask = prompts(2)
+    cache = KdaMoeStaticCache(model.config, max_cache_len=16)
+    assert all(tensor is None for tensor in cache_tensors(cache)[:2])
+    with torch.no_grad():
+        expected = model.generate(input_ids, attention_mask=attention_mask, **GREEDY)
+        tokens = model.generate(input_ids, attention_mask=attention_mask, **{CACHE_NAME: cache}, **GREEDY)
+    assert torch.equal(tokens, expected)
+    assert all(tensor.shape[0] == 2 for tensor in cache_tensors(cache) if tensor.dim() > 0)
+
+
 def test_static_cache_matches_the_dynamic_one_in_beam_search_and_sampling(model):
     """Beam search reorders the static KDA states in place; sampling draws the same tokens from the same seed."""
     input_ids, attention_mask = prompts(2)
@@ -183,8 +196,8 @@ def test_generate_compiles_the_decode_step_with_fullgraph_by_default(model):
 
 
 def test_static_decode_through_the_triton_kernels_compiles_to_our_custom_ops():
-    """With the Triton backend (here in the interpreter) the compiled step holds our kernels as custom ops (the conv
-    step and the KDA decode step, their states updated in place) and gives the tokens of eager dynamic decoding."""
+    """With the Triton backend (here in the interpreter) the compiled step holds our decode kernels as custom ops
+    (their states updated in place, no chunked kernel) and gives the tokens of eager dynamic decoding."""
     from torch._dynamo.backends.common import aot_autograd
 
     model = tiny_model(seed=0, kernel_backend="triton", linear_head_dim=16, num_hidden_layers=3,
@@ -204,7 +217,8 @@ def test_static_decode_through_the_triton_kernels_compiles_to_our_custom_ops():
                                 compile_config=config, **GREEDY)
     assert torch.equal(tokens, expected)
     assert len(graph_ops) == 1
-    assert {"kda_moe.short_conv_step.default", "kda_moe.kda_decode_step.default"} <= graph_ops[0]
+    decode_kernels = {op for op in graph_ops[0] if op.startswith("kda_moe.") and "decode_step" in op}
+    assert decode_kernels and not any("chunk" in op for op in graph_ops[0])
 
 
 def test_multimodal_model_decodes_an_image_prompt_through_the_compiled_static_step():
