@@ -1,6 +1,6 @@
 """The kda-moe text decoder (the Kimi K3 / Kimi Linear architecture).
 
-Reading order: norms -> gated activations -> rotary -> gated MLA -> Kimi Delta Attention -> dense MLP ->
+Reading order: norms -> gated activations -> rotary -> gated MLA -> caches -> Kimi Delta Attention -> dense MLP ->
 router with Quantile Balancing -> fused experts -> LatentMoE -> Block Attention Residuals -> decoder layer ->
 `KdaMoePreTrainedModel` -> `KdaMoeTextModel` -> `KdaMoeForCausalLM`.
 
@@ -294,7 +294,7 @@ class KdaMoeAttention(nn.Module):
             **kwargs,
         )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
         if absorbed:
-            attn_output = torch.einsum("bthc,hvc->bthv", attn_output, w_uv)
+            attn_output = torch.matmul(attn_output.transpose(1, 2), w_uv.mT).transpose(1, 2)  # [B, T, H, v]
         if self.g_proj is not None:
             attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states)).view(batch_size, seq_len, heads, -1)
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_len, -1))
@@ -302,7 +302,8 @@ class KdaMoeAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Cache: MLA latents and KDA states, with the rollback that assisted decoding needs
+# Caches: MLA latents and KDA states; the dynamic one rolls back (assisted decoding), the static one never moves
+# (compiled decoding, CUDA graphs)
 # ----------------------------------------------------------------------------------------------------------------
 
 

@@ -80,6 +80,7 @@ def generate_static_compiled(model, input_ids, attention_mask, backend, monkeypa
         return recorder.cache
 
     monkeypatch.setattr(model, "_prepare_static_cache", prepare_and_record)
+    torch._dynamo.reset()  # graphs of earlier tests share the cache of `Module.__call__`'s code; start it empty
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.no_grad():
         tokens = model.generate(
@@ -101,8 +102,8 @@ def test_static_compiled_greedy_matches_eager_dynamic_greedy(model, batch_size, 
     input_ids, attention_mask = prompts(batch_size)
     with torch.no_grad():
         expected = model.generate(input_ids, attention_mask=attention_mask, **GREEDY)
-    # inductor (C++ codegen, minutes on a CPU) for the left-padded hybrid batch, aot_eager (the same captured graph,
-    # functionalised, run op by op) elsewhere
+    # inductor (C++ codegen, the slowest compile here) for the left-padded hybrid batch, aot_eager (the same captured
+    # graph, functionalised, run op by op) elsewhere
     backend = "inductor" if batch_size == 2 and "full_attention" in model.config.layer_types else "aot_eager"
     tokens, graphs, addresses, cache, allocated = generate_static_compiled(
         model, input_ids, attention_mask, backend, monkeypatch
@@ -166,7 +167,9 @@ def test_static_cache_matches_the_dynamic_one_in_beam_search_and_sampling(model)
 
 
 def test_a_static_cache_continues_generation_and_refuses_tokens_beyond_its_length(model):
-    input_ids, attention_mask = prompts(1)
+    """A static cache returned by generate() continues the sequence like one generate() call; a forward past its
+    `max_cache_len` raises a ValueError naming the fix instead of an index error inside an MLA layer."""
+    input_ids, _ = prompts(1)
     with torch.no_grad():
         at_once = model.generate(input_ids, max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)
         first = model.generate(input_ids, cache_implementation="static", max_cache_len=16,
@@ -180,10 +183,13 @@ def test_a_static_cache_continues_generation_and_refuses_tokens_beyond_its_lengt
                 model(continued[:, -8:], **{CACHE_NAME: cache})
 
 
-def test_assisted_decoding_with_a_static_cache_is_refused(model):
+def test_assisted_and_prompt_lookup_decoding_refuse_a_static_cache(model):
+    """Rolling rejected drafts back needs the KDA states of past tokens, which only the dynamic cache records."""
     input_ids, _ = prompts(1)
-    with pytest.raises(ValueError, match="needs a KdaMoeCache.*no `cache_implementation`"):
-        model.generate(input_ids, prompt_lookup_num_tokens=2, cache_implementation="static", **GREEDY)
+    draft = tiny_model(seed=1, layer_types=model.config.layer_types)
+    for drafting in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=2)):
+        with pytest.raises(ValueError, match="needs a KdaMoeCache.*no `cache_implementation`"):
+            model.generate(input_ids, cache_implementation="static", **drafting, **GREEDY)
 
 
 def test_generate_compiles_the_decode_step_with_fullgraph_by_default(model):
@@ -210,6 +216,7 @@ def test_static_decode_through_the_triton_kernels_compiles_to_our_custom_ops():
         return gm
 
     input_ids, attention_mask = prompts(2)
+    torch._dynamo.reset()
     with torch.no_grad():
         expected = model.generate(input_ids, attention_mask=attention_mask, **GREEDY)
         config = compile_config(aot_autograd(fw_compiler=record))
@@ -229,6 +236,7 @@ def test_multimodal_model_decodes_an_image_prompt_through_the_compiled_static_st
 
     model = tiny_multimodal_model(seed=0)
     inputs = chat_inputs(tiny_processor(model), [random_image(23, 37)])
+    torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.no_grad():
         expected = model.generate(**inputs, **GREEDY)
