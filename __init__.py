@@ -22,6 +22,7 @@ from .modeling import (
     KdaMoeForConditionalGeneration,
     KdaMoeModel,
     KdaMoePreTrainedModel,
+    KdaMoeStaticCache,
     KdaMoeTextModel,
     KdaMoeVisionModel,
 )
@@ -45,6 +46,7 @@ AutoProcessor.register(KdaMoeConfig, KdaMoeProcessor, exist_ok=True)
 __all__ = [
     "KdaMoeTextConfig",
     "KdaMoeCache",
+    "KdaMoeStaticCache",
     "KdaMoePreTrainedModel",
     "KdaMoeTextModel",
     "KdaMoeForCausalLM",

@@ -1,6 +1,6 @@
 """The kda-moe text decoder (the Kimi K3 / Kimi Linear architecture).
 
-Reading order: norms -> gated activations -> rotary -> gated MLA -> Kimi Delta Attention -> dense MLP ->
+Reading order: norms -> gated activations -> rotary -> gated MLA -> caches -> Kimi Delta Attention -> dense MLP ->
 router with Quantile Balancing -> fused experts -> LatentMoE -> Block Attention Residuals -> decoder layer ->
 `KdaMoePreTrainedModel` -> `KdaMoeTextModel` -> `KdaMoeForCausalLM`.
 
@@ -11,15 +11,17 @@ gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research 
 
 import math
 from collections.abc import Callable
+from functools import wraps
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.generation import GenerationMixin, GenerationMode
+from transformers.generation import CompileConfig, GenerationMixin, GenerationMode
 from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import batched_mm_experts_forward
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -256,12 +258,14 @@ class KdaMoeAttention(nn.Module):
         if position_embeddings is not None:
             q_rope, k_rope = apply_rotary_pos_emb(q_rope, k_rope, *position_embeddings)
 
-        # Absorbing W_UK / W_UV reads kv_b_proj's weight directly, so it is used only when that weight is the plain
-        # nn.Linear one (an adapter wrapped around kv_b_proj, e.g. LoRA, keeps the expanded form).
-        absorbed = cache is not None and cache.get_seq_length(self.layer_idx) > 0 and type(self.kv_b_proj) is nn.Linear
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, self.layer_idx)  # [B, 1, S, kv_lora], [B, 1, S, rope]
         kv_len = latent.shape[2]
+        # The absorbed form once the keys reach beyond this forward's tokens: decoding, and every forward on a static
+        # cache (S = max_cache_len), whose unfilled positions would cost a kv_b_proj expansion each. It reads
+        # kv_b_proj's weight directly, so it is used only when that weight is the plain nn.Linear one (an adapter
+        # wrapped around kv_b_proj, e.g. LoRA, keeps the expanded form).
+        absorbed = kv_len > seq_len and type(self.kv_b_proj) is nn.Linear
 
         if absorbed:
             w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.kv_lora_rank).split(
@@ -290,7 +294,7 @@ class KdaMoeAttention(nn.Module):
             **kwargs,
         )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
         if absorbed:
-            attn_output = torch.einsum("bthc,hvc->bthv", attn_output, w_uv)
+            attn_output = torch.matmul(attn_output.transpose(1, 2), w_uv.mT).transpose(1, 2)  # [B, T, H, v]
         if self.g_proj is not None:
             attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states)).view(batch_size, seq_len, heads, -1)
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_len, -1))
@@ -298,7 +302,8 @@ class KdaMoeAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Cache: MLA latents and KDA states, with the rollback that assisted decoding needs
+# Caches: MLA latents and KDA states; the dynamic one rolls back (assisted decoding), the static one never moves
+# (compiled decoding, CUDA graphs)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -321,6 +326,12 @@ class KdaMoeLinearAttentionCacheLayer(LinearAttentionLayer):
         self.recurrent_history: list[torch.Tensor] = []  # the state before the recorded tokens, then after each
         self.conv_history: torch.Tensor | None = None  # [B, C, W-1 + recorded]: the recorded tokens' conv inputs,
         # after the W-1 before them, so the conv state after any of them is a slice
+
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(conv state, recurrent state) to continue from, or (None, None) before the first forward."""
+        if not self.has_previous_state[0]:
+            return None, None
+        return self.conv_states[0], self.recurrent_states[0]
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs):
         """Start recording. `recurrent_states_to_keep`: the most tokens one `crop` removes (the draft length);
@@ -353,9 +364,10 @@ class KdaMoeLinearAttentionCacheLayer(LinearAttentionLayer):
         if token_states is not None:
             self._record(conv_inputs, token_states, conv_state.shape[-1])
         self.conv_states[0], self.recurrent_states[0] = conv_state, recurrent_state
-        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
-        self.has_previous_state[0] = True
-        self.device, self.dtype = conv_state.device, conv_state.dtype
+        if not self.has_previous_state[0]:
+            self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+            self.has_previous_state[0] = True
+            self.device, self.dtype = conv_state.device, conv_state.dtype
         self.tokens_seen += new_tokens
 
     def _record(self, conv_inputs: torch.Tensor, token_states: list[torch.Tensor], width: int) -> None:
@@ -408,7 +420,13 @@ class KdaMoeLinearAttentionCacheLayer(LinearAttentionLayer):
 class KdaMoeCache(DynamicCache):
     """The model's cache: a `DynamicLayer` (the compressed latent) per MLA layer, a `KdaMoeLinearAttentionCacheLayer`
     per KDA layer. generate() builds one by default. Every layer counts its tokens, so `get_seq_length` also works on a
-    model without MLA layers, and `crop` rolls KDA layers back (assisted and prompt-lookup decoding)."""
+    model without MLA layers, and `crop` rolls KDA layers back (assisted and prompt-lookup decoding).
+
+    It is not compileable (`is_compileable` is False, as for transformers' `DynamicCache`): generate() compiles the
+    decode step only with `cache_implementation="static"` (a `KdaMoeStaticCache`), whose tensors never move.
+    """
+
+    is_compileable = False
 
     def __init__(self, config: PreTrainedConfig):
         super().__init__(config=config)
@@ -424,6 +442,124 @@ class KdaMoeCache(DynamicCache):
                 layer.activate_past_recording(recurrent_states_to_keep)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+
+def mark_static_address(tensor: torch.Tensor) -> None:
+    """Tell torch.compile that `tensor` keeps its address for good, so a compiled step that updates it in place is
+    replayed as a CUDA graph (dynamo refuses the mark while tracing: a tensor made inside a compiled region is not)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+
+
+class KdaMoeStaticLinearAttentionCacheLayer(LinearAttentionLayer):
+    """The cache of one KDA layer in a `KdaMoeStaticCache`: conv state [B, C, W-1], fp32 recurrent state [B, H, K, V]
+    and the token count, in tensors allocated once (with the cache, or at the first forward) and from then on updated
+    in place. Their addresses never change, so a compiled decode step updates them as static inputs and a CUDA graph
+    replays it. It keeps no past states, so it cannot be cropped (assisted decoding needs a `KdaMoeCache`).
+    """
+
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens_seen = torch.zeros((), dtype=torch.long)  # a tensor: a compiled step counts without recompiling
+
+    def allocate(self, conv_shape: tuple[int, ...], recurrent_shape: tuple[int, ...], dtype, device) -> None:
+        """Allocate the zeroed state tensors: conv state in `dtype`, recurrent state in fp32."""
+        self.conv_states[0] = torch.zeros(conv_shape, dtype=dtype, device=device)
+        self.recurrent_states[0] = torch.zeros(recurrent_shape, dtype=torch.float32, device=device)
+        self.tokens_seen = self.tokens_seen.to(device)
+        for tensor in (self.conv_states[0], self.recurrent_states[0], self.tokens_seen):
+            mark_static_address(tensor)
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.device, self.dtype = device, dtype
+
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(conv state, recurrent state) to continue from, or (None, None) before the first forward."""
+        if not self.has_previous_state[0]:
+            return None, None
+        return self.conv_states[0], self.recurrent_states[0]
+
+    def tokens_to_record(self, new_tokens: int) -> int:
+        return 0
+
+    def update_states(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, new_tokens: int, **kwargs) -> None:
+        """Copy the final states of a forward over `new_tokens` tokens into the fixed tensors; a state the kernels
+        updated in place (the cached tensor itself, as in a decoding step) is left as it is."""
+        if not self.is_conv_states_initialized[0]:
+            self.allocate(conv_state.shape, recurrent_state.shape, conv_state.dtype, conv_state.device)
+        if conv_state is not self.conv_states[0]:
+            self.conv_states[0].copy_(conv_state)
+        if recurrent_state is not self.recurrent_states[0]:
+            self.recurrent_states[0].copy_(recurrent_state)
+        if not self.has_previous_state[0]:
+            self.has_previous_state[0] = True
+        self.tokens_seen.add_(new_tokens)
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        return self.tokens_seen if self.is_conv_states_initialized[0] else 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: keep the rows of the chosen beams, in place."""
+        if self.is_conv_states_initialized[0]:
+            for states in (self.conv_states, self.recurrent_states):
+                states[0].copy_(states[0].index_select(0, beam_idx.to(states[0].device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "A KdaMoeStaticCache cannot be cropped: its KDA layers keep only their current states. Assisted and "
+            "prompt-lookup decoding roll KDA states back with the default cache, a KdaMoeCache (leave "
+            "`cache_implementation` unset)."
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.tokens_seen.zero_()
+
+
+class KdaMoeStaticCache(StaticCache):
+    """The cache of `generate(..., cache_implementation="static")`: every tensor is allocated once, for `batch_size`
+    sequences of up to `max_cache_len` tokens, and updated in place. MLA layers keep their latents (`kv_lora_rank` +
+    `qk_rope_head_dim` per token) in transformers' `StaticLayer`, KDA layers their states in a
+    `KdaMoeStaticLinearAttentionCacheLayer`, and the token counts are tensors, so generate() compiles the decode step
+    (`generation_config.compile_config`) with `fullgraph=True`, without recompiling from one step to the next, and on
+    CUDA replays it as a CUDA graph.
+
+    With `batch_size`, `dtype` and `device` the tensors are allocated here (generate() passes them); without, at the
+    first forward.
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        max_cache_len: int,
+        batch_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        **kwargs,
+    ):
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        self.layers = [
+            KdaMoeStaticLinearAttentionCacheLayer() if isinstance(layer, LinearAttentionLayer) else layer
+            for layer in self.layers
+        ]
+        if batch_size is not None:
+            self.allocate(config.get_text_config(decoder=True), batch_size, dtype, device)
+
+    def allocate(self, config: KdaMoeTextConfig, batch_size: int, dtype: torch.dtype, device) -> None:
+        """Allocate every layer's tensors for `batch_size` sequences (activations in `dtype`)."""
+        heads, head_dim = config.linear_num_heads, config.linear_head_dim
+        conv_shape = (batch_size, 3 * heads * head_dim, config.linear_conv_kernel_dim - 1)  # q | k | v channels
+        for layer in self.layers:
+            if isinstance(layer, KdaMoeStaticLinearAttentionCacheLayer):
+                layer.allocate(conv_shape, (batch_size, heads, head_dim, head_dim), dtype, device)
+            else:  # the latent [B, 1, S, kv_lora_rank] as keys, the rotary key [B, 1, S, qk_rope_head_dim] as values
+                latent = torch.empty(batch_size, 1, 0, config.kv_lora_rank, dtype=dtype, device=device)
+                layer.lazy_initialization(latent, latent.new_empty(batch_size, 1, 0, config.qk_rope_head_dim))
+
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor | int:
+        """Tokens held by a layer: a tensor once the layer holds any (read on the host only outside compiled code)."""
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
 
@@ -528,9 +664,15 @@ class KdaMoeDeltaAttention(nn.Module):
         conv_inputs = torch.cat(
             [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
         )
-        conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
-        # assisted decoding: how many of this forward's last tokens keep their own states, for `cache.crop`
-        recorded = cache.layers[self.layer_idx].tokens_to_record(seq_len) if isinstance(cache, KdaMoeCache) else 0
+        # our caches' layers hand out and take the states directly; a transformers cache goes through its API
+        layer_cache = cache.layers[self.layer_idx] if isinstance(cache, (KdaMoeCache, KdaMoeStaticCache)) else None
+        if layer_cache is not None:
+            conv_state, recurrent_state = layer_cache.states()
+            # assisted decoding: how many of this forward's last tokens keep their own states, for `cache.crop`
+            recorded = layer_cache.tokens_to_record(seq_len)
+        else:
+            conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
+            recorded = 0
         conv_weight = self.conv1d.weight.squeeze(1)  # [3 * H * K, kernel]
         if conv_state is not None and seq_len == 1 and not recorded:
             qkv = short_conv_step(conv_inputs[:, 0], conv_weight, conv_state, backend=self.backend)[:, None]  # in place
@@ -564,8 +706,8 @@ class KdaMoeDeltaAttention(nn.Module):
                 cu_seqlens=cu_seqlens,
                 backend=self.backend,
             )  # [B, T, H, V], [B, H, K, V] fp32
-        if isinstance(cache, KdaMoeCache):
-            cache.layers[self.layer_idx].update_states(
+        if layer_cache is not None:
+            layer_cache.update_states(
                 conv_state, recurrent_state, seq_len, conv_inputs=conv_inputs, token_states=token_states
             )
         elif cache is not None:  # a transformers cache built by the caller
@@ -598,8 +740,11 @@ class KdaMoeMLP(nn.Module):
 
 
 def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert: [N, k] -> [E] (int64)."""
-    return torch.bincount(topk_indices.flatten(), minlength=num_experts)
+    """Tokens routed to each expert: [N, k] -> [E] (int64). A scatter into E counters, not `bincount`, whose output
+    length depends on the data: it keeps the shape fixed, so a compiled step neither breaks its graph nor syncs."""
+    indices = topk_indices.flatten().long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=indices.device)
+    return counts.scatter_add_(0, indices, torch.ones_like(indices))
 
 
 QUANTILE_STEP = 0.7
@@ -792,7 +937,13 @@ class KdaMoeExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """hidden_states [N, l], top_k_index / top_k_weights [N, k] -> [N, l]."""
+        """hidden_states [N, l], top_k_index / top_k_weights [N, k] -> [N, l].
+
+        The loop visits the experts that got tokens, which it reads on the host; compiled code takes transformers'
+        `batched_mm` instead (each token through its k experts' gathered weights: the same function, fixed shapes).
+        """
+        if torch.compiler.is_compiling():
+            return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
             expert_hit = expert_loads(top_k_index, self.num_experts).nonzero().flatten().tolist()
@@ -870,12 +1021,18 @@ class KdaMoeAttnRes(nn.Module):
         """partial [B, T, d], blocks [N, B, T, d] or None -> [B, T, d]."""
         if blocks is None:
             return partial
-        with torch.autocast(partial.device.type, enabled=False):
-            values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
-            keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
-            query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
-            weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
-            return (weights[..., None] * values).sum(0).to(partial.dtype)
+        # the context is entered only under autocast: at decoding sizes it costs as much as the mix itself
+        if torch.is_autocast_enabled(partial.device.type):
+            with torch.autocast(partial.device.type, enabled=False):
+                return self.mix(partial, blocks)
+        return self.mix(partial, blocks)
+
+    def mix(self, partial: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
+        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+        query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
+        weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
+        return (weights[..., None] * values).sum(0).to(partial.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -965,7 +1122,7 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False  # MLA's query/key width differs from the value width
     _supports_sdpa = True
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
     _can_record_outputs = {
         "router_logits": OutputRecorder(KdaMoeRouter, index=0),
         "hidden_states": OutputRecorder(KdaMoeDecoderLayer, index=0),
@@ -978,7 +1135,8 @@ class KdaMoePreTrainedModel(PreTrainedModel):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """generate()'s default cache is a `KdaMoeCache` (transformers would build a `DynamicCache`); for assisted
-        and prompt-lookup decoding it records the states of the drafted tokens, so `crop` can roll KDA layers back."""
+        and prompt-lookup decoding it records the states of the drafted tokens, so `crop` can roll KDA layers back.
+        `cache_implementation="static"` builds a `KdaMoeStaticCache` (`_prepare_static_cache`)."""
         if (
             model_kwargs.get(CACHE_NAME) is None
             and generation_config.use_cache is not False
@@ -992,10 +1150,35 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             if not isinstance(cache, KdaMoeCache):
                 raise ValueError(
                     f"Assisted and prompt-lookup decoding roll KDA states back, which needs a KdaMoeCache, got a "
-                    f"{type(cache).__name__}. Pass `{CACHE_NAME}=KdaMoeCache(model.config)`, or no cache."
+                    f"{type(cache).__name__}. Pass `{CACHE_NAME}=KdaMoeCache(model.config)`, or no cache and no "
+                    "`cache_implementation` (a static cache keeps only the current KDA states)."
                 )
             drafted = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens
             cache.activate_past_recording(recurrent_states_to_keep=drafted)
+
+    def _prepare_static_cache(self, cache_implementation: str, batch_size: int, max_cache_len: int, *args, **kwargs):
+        """The cache of `cache_implementation="static"` (and `"offloaded_static"`, which moves MLA latents to the CPU
+        between layers): a `KdaMoeStaticCache`, allocated here unless the model is spread over several devices (then
+        each layer allocates on its own device at the prefill). Like transformers, it is never shorter than the last
+        one this model built, so a later generate() call reuses the compiled decode step instead of recompiling."""
+        max_cache_len = max(max_cache_len, getattr(self, "_previous_max_cache_length", -1))
+        self._previous_max_cache_length = max_cache_len
+        one_device = len(set(getattr(self, "hf_device_map", {}).values())) <= 1
+        return KdaMoeStaticCache(
+            self.config,
+            max_cache_len=max_cache_len,
+            batch_size=batch_size if one_device else None,
+            dtype=self.dtype,
+            device=self.device,
+            offloading="offloaded" in cache_implementation,
+        )
+
+    def _default_compile_config(self) -> CompileConfig:
+        """transformers' compile settings for the decode step (inductor, and on CUDA `"reduce-overhead"`: CUDA graphs),
+        with `fullgraph=True`: the one-token forward on a static cache has no graph break."""
+        compile_config = super()._default_compile_config()
+        compile_config.fullgraph = True
+        return compile_config
 
     def init_continuous_batching(self, *args, **kwargs):
         """Refused: transformers' continuous batching (`generate_batch`, `cache_implementation="paged"`) pages
@@ -1117,6 +1300,19 @@ def check_attention_mask(
         )
 
 
+def check_cache_room(cache: StaticCache, new_tokens: int) -> None:
+    """Refuse new tokens that a static cache's MLA layers have no room for. It reads the cache's token count on the
+    host, so the text model runs it only outside tracing."""
+    room = cache.get_max_length()  # -1 without MLA layers: KDA states hold any number of tokens
+    cached = cached_token_count(cache)
+    if room >= 0 and cached is not None and cached + new_tokens > room:
+        raise ValueError(
+            f"The cache holds {cached} tokens of at most {room} (its `max_cache_len`): no room for {new_tokens} more. "
+            "Size a static cache for the whole sequence (`generate(..., cache_implementation=\"static\", "
+            "max_cache_len=N)` or `KdaMoeStaticCache(model.config, max_cache_len=N)`), or use the dynamic cache."
+        )
+
+
 def check_text_inputs(
     config: KdaMoeTextConfig,
     input_ids: torch.Tensor | None,
@@ -1137,8 +1333,11 @@ def check_text_inputs(
                 f"`inputs_embeds` must be [batch, seq_len, hidden_size={config.hidden_size}], got shape "
                 f"{tuple(inputs_embeds.shape)}; build them with `model.get_input_embeddings()(input_ids)`."
             )
-    batch_size, new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    batch_size, new_tokens = tokens.shape[:2]
     check_attention_mask(attention_mask, batch_size, new_tokens, cache)
+    if isinstance(cache, StaticCache) and not is_tracing(tokens):
+        check_cache_room(cache, new_tokens)
 
 
 def packed_sequence_boundaries(position_ids: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
@@ -1150,6 +1349,23 @@ def packed_sequence_boundaries(position_ids: torch.Tensor | None, batch_size: in
         return None
     end = torch.tensor([position_ids.shape[-1]], device=starts.device)
     return torch.cat([starts, end]).to(torch.int64)
+
+
+def layer_type_masks(
+    config: KdaMoeTextConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor,
+) -> dict[str, torch.Tensor | None]:
+    """The mask each layer type reads, from a 2-D padding mask (or None): KDA layers the padding of the new tokens
+    (None for a one-token step), MLA layers transformers' causal mask over the cache."""
+    masks = {"linear_attention": create_recurrent_attention_mask(config, inputs_embeds, attention_mask, cache)}
+    if "full_attention" in config.layer_types:
+        masks["full_attention"] = create_causal_mask(
+            config, inputs_embeds, attention_mask, cache, position_ids=position_ids
+        )
+    return masks
 
 
 class KdaMoeTextModel(KdaMoePreTrainedModel):
@@ -1206,13 +1422,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         if not isinstance(mask_mapping := attention_mask, dict):
-            mask_mapping = {
-                "linear_attention": create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache),
-            }
-            if has_mla:
-                mask_mapping["full_attention"] = create_causal_mask(
-                    self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids
-                )
+            mask_mapping = layer_type_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         hidden_states, blocks = inputs_embeds, None
@@ -1244,6 +1454,23 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    # generate() checks its kwargs against this method's signature: keep transformers' (only `__wrapped__` is set)
+    @wraps(GenerationMixin.prepare_inputs_for_generation, assigned=())
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """transformers' inputs of a generation step. With a static cache the 2-D padding mask always becomes the
+        per-layer-type masks here, outside the compiled step: transformers leaves it 2-D for a model of KDA layers
+        only, and a mask that grows by a column every step would recompile the step every time."""
+        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        mask, cache = model_inputs.get("attention_mask"), model_inputs.get(CACHE_NAME)
+        if isinstance(cache, KdaMoeStaticCache) and isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            tokens = model_inputs.get("input_ids")
+            tokens = model_inputs["inputs_embeds"] if tokens is None else tokens
+            shape_only = torch.empty(*tokens.shape[:2], 0, dtype=self.dtype, device=tokens.device)  # [B, T, 0]
+            model_inputs["attention_mask"] = layer_type_masks(
+                self.config.get_text_config(), shape_only, mask, cache, model_inputs.get("position_ids")
+            )
+        return model_inputs
 
     @can_return_tuple
     @accepts_legacy_cache_name
@@ -1283,4 +1510,4 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["KdaMoeCache", "KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]
+__all__ = ["KdaMoeCache", "KdaMoeStaticCache", "KdaMoePreTrainedModel", "KdaMoeTextModel", "KdaMoeForCausalLM"]

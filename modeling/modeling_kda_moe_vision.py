@@ -483,12 +483,13 @@ class KdaMoeModel(KdaMoeMultimodalPreTrainedModel):
             inputs_embeds = self.get_input_embeddings()(input_ids)
 
         placeholders = self.get_placeholder_mask(input_ids, inputs_embeds)
-        num_placeholders = int(placeholders.sum())
+        # counted on the host, so compiled code (a decoding step) skips the checks that read the count
+        num_placeholders = None if is_tracing(inputs_embeds) else int(placeholders.sum())
         image_embeds = None
         if pixel_values is not None:
             image_embeds = torch.cat(self.get_image_features(pixel_values, image_grid_thw).pooler_output)
             image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
-            if num_placeholders != image_embeds.shape[0]:
+            if num_placeholders is not None and num_placeholders != image_embeds.shape[0]:
                 raise ValueError(
                     f"The text has {num_placeholders} `<|media_pad|>` placeholder tokens (id "
                     f"{self.config.image_token_id}) but the {len(image_grid_thw)} image(s) give {image_embeds.shape[0]} "
