@@ -24,6 +24,8 @@ from .modeling import (
     KdaMoePreTrainedModel,
     KdaMoeTextModel,
     KdaMoeVisionModel,
+    prefill_in_chunks,
+    score_in_chunks,
 )
 from .processing import KdaMoeImageProcessor, KdaMoeProcessor
 
@@ -55,4 +57,6 @@ __all__ = [
     "KdaMoeForConditionalGeneration",
     "KdaMoeImageProcessor",
     "KdaMoeProcessor",
+    "prefill_in_chunks",
+    "score_in_chunks",
 ]
