@@ -7,8 +7,9 @@
 - ``theirs``: transformers' KimiLinearForCausalLM with fla's kernels, on the same checkpoint;
 
 beside the bandwidth floor: the bytes one step must read (active weights, KDA states read and written, the MLA latent
-cache) over the copy bandwidth measured in the same run. Also the peak memory of each generate() and how many of our
-greedy tokens equal transformers'.
+cache) over the copy bandwidth measured in the same run. Also the peak memory of each generate(), its prefill time
+(to the first token) and how many of our greedy tokens equal transformers'. Long prompts at batch 1
+(``cases=dynamic batches=1 prompts=262144,1048576``) measure the chunked prefill: its time and peak memory.
 
     python benchmarks/generate.py OUTDIR [cases=dynamic,static,theirs] [batches=1,8,32,128] [prompts=2048,32768]
                                          [new_tokens=64]          (kda_moe importable; fla 0.6.0 for theirs)
@@ -17,8 +18,8 @@ The models are benchmarks/model.py's: its anchor config (822M parameters, 6 KDA 
 bf16), saved by transformers and loaded by ours. A step's time is the median interval between consecutive generated
 tokens (a stopping criterion that never stops reads the clock after each token, once the device is done), so the
 prefill, the first decode steps' compilation and autotuning, and generate()'s setup are not in it. Prompts longer
-than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks (generate()'s ``prefill_chunk_size``), on every
-side alike: the prefill is not timed, and unchunked it would not fit at batch 128 x 32K. Writes OUTDIR/generate.md
+than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks (generate()'s ``prefill_chunk_size``, see
+``prefill_chunk_size``), on every side alike: unchunked they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md
 and OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
 records its error), and prints the table last.
 """
@@ -56,6 +57,7 @@ PROMPTS = (2048, 32768)
 NEW_TOKENS = 64
 DTYPE = torch.bfloat16
 PREFILL_TOKENS = 262144  # most prompt tokens (over the batch) in one prefill forward; longer prompts go in chunks
+MASK_ENTRIES = 2**32  # most entries of a prefill chunk's MLA mask [batch, chunk, prompt] (bool, then bf16 in SDPA)
 GENERATE_OPTIONS = {
     "dynamic": {},
     "static": {"cache_implementation": "static"},
@@ -144,13 +146,21 @@ def agreement(tokens, reference):
     return dict(positions=int(same.sum()), of=same.numel(), shortest_prefix=int(same.int().cumprod(1).sum(1).min()))
 
 
+def prefill_chunk_size(batch, prompt):
+    """generate()'s `prefill_chunk_size` for a prompt [batch, prompt]: None (one forward) up to `PREFILL_TOKENS`
+    tokens, else the longest chunk whose tokens and MLA mask (it attends to up to `prompt` positions) stay in budget."""
+    if batch * prompt <= PREFILL_TOKENS:
+        return None
+    return max(min(PREFILL_TOKENS // batch, MASK_ENTRIES // (batch * prompt)), 1)
+
+
 def run_case(model, case, input_ids, new_tokens):
     """One generate() of ``new_tokens`` tokens: (timings and peak memory, the generated tokens [B, new_tokens])."""
     if model_bench.dev == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     batch, prompt = input_ids.shape
-    chunk = None if batch * prompt <= PREFILL_TOKENS else max(PREFILL_TOKENS // batch, 1)
+    chunk = prefill_chunk_size(batch, prompt)
     if case == "static":  # `compiled` below tells whether this generate() compiled (transformers keeps the call)
         model.__dict__.pop("_compiled_call", None)
     clock = StepClock()
@@ -162,8 +172,8 @@ def run_case(model, case, input_ids, new_tokens):
         )
     seconds = time.perf_counter() - start
     step = clock.step_seconds()
-    result = dict(ms_per_step=step * 1e3, tok_s=batch / step, generate_s=seconds, peak_GB=model_bench.peak_gb(),
-                  prefill_chunk_size=chunk)
+    result = dict(ms_per_step=step * 1e3, tok_s=batch / step, prefill_s=clock.times[0] - start, generate_s=seconds,
+                  peak_GB=model_bench.peak_gb(), prefill_chunk_size=chunk)
     if case == "static":
         result["compiled"] = getattr(model, "_compiled_call", None) is not None
     return result, out[:, prompt:]

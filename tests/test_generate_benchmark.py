@@ -36,7 +36,10 @@ def bench(monkeypatch):
 RUN = dict(batches=[1, 3], prompts=[6], new_tokens=4)
 
 
-def test_generate_benchmark_writes_a_row_per_batch_and_prompt_with_every_side(tmp_path, bench):
+def test_generate_benchmark_writes_a_row_per_batch_and_prompt_with_every_side(tmp_path, bench, monkeypatch):
+    """Every side of every row has its step time (or, for a side that fails, its error); with a prefill budget of 8
+    tokens the 3 x 6 prompts go through generate()'s chunked prefill, 2 tokens a chunk, on every side."""
+    monkeypatch.setattr(bench, "PREFILL_TOKENS", 8)
     res = bench.main(str(tmp_path), **RUN)
 
     saved = json.loads((tmp_path / "generate.json").read_text())
@@ -45,7 +48,8 @@ def test_generate_benchmark_writes_a_row_per_batch_and_prompt_with_every_side(tm
     for row in saved["rows"]:
         for side in ("dynamic", "theirs"):
             assert row[side]["ms_per_step"] > 0 and row[side]["tok_s"] > 0, row[side]
-            assert row[side]["prefill_chunk_size"] is None
+            assert 0 < row[side]["prefill_s"] < row[side]["generate_s"]
+            assert row[side]["prefill_chunk_size"] == (None if row["batch"] == 1 else 2)
         assert row["static"].keys() & {"ms_per_step", "error"}  # a failing case records its error and the run goes on
         # fp32, same weights: our greedy tokens are transformers'
         assert row["dynamic"]["same_as_theirs"] == dict(positions=row["batch"] * 4, of=row["batch"] * 4,
@@ -76,6 +80,13 @@ def test_bandwidth_floor_counts_the_active_weights_states_and_latent_cache(bench
     assert three["kda_state"] == 3 * one["kda_state"] and three["mla_cache"] == 6 * one["mla_cache"]
     latent = ours.config.kv_lora_rank + ours.config.qk_rope_head_dim
     assert one["mla_cache"] == ours.config.layer_types.count("full_attention") * 10 * latent * 4  # fp32 here
+
+
+def test_prompts_past_the_prefill_budget_go_in_chunks_that_bound_the_mla_mask(bench):
+    assert bench.prefill_chunk_size(1, 32768) is None and bench.prefill_chunk_size(128, 2048) is None
+    assert bench.prefill_chunk_size(32, 32768) == 4096  # 8192 tokens a row would fit, but not their mask
+    assert bench.prefill_chunk_size(128, 32768) == 1024
+    assert bench.prefill_chunk_size(1, 1048576) == 4096
 
 
 def test_generate_benchmark_cut_short_keeps_the_cases_it_measured(tmp_path, bench, monkeypatch):
