@@ -116,17 +116,22 @@ def test_generate_benchmark_options_pick_the_cases_batches_and_prompts(bench, tm
             bench.parse_options(bad)
 
 
-def test_plot_draws_tokens_per_second_of_each_side_from_the_json(tmp_path):
+def test_plot_draws_tokens_per_second_of_each_side_from_the_json_files(tmp_path):
+    """Rows of a later file override an earlier file's for the same batch, prompt and side; a side's failed rows are
+    left out of its line."""
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e .[dev])")
     rows = [dict(batch=b, prompt=p, dynamic=dict(tok_s=10.0 * b), static=dict(error="Traceback ... Error: x"),
                  theirs=dict(tok_s=5.0 * b), floor=dict(tok_s=100.0 * b)) for p in (2048, 32768) for b in (1, 8, 32)]
-    path = tmp_path / "generate.json"
-    path.write_text(json.dumps(dict(gpu="cpu", dtype="bfloat16", params=1e6, rows=rows)))
-    series = load_script("plot.py").plot_generate(tmp_path / "generate.png", path)
+    later = [dict(batch=8, prompt=32768, static=dict(tok_s=300.0), theirs=dict(tok_s=41.0), floor=dict(tok_s=800.0))]
+    paths = [tmp_path / "first.json", tmp_path / "later.json"]
+    for path, part in zip(paths, (rows, later)):
+        path.write_text(json.dumps(dict(gpu="cpu", dtype="bfloat16", params=1e6, rows=part)))
+    series = load_script("plot.py").plot_generate(tmp_path / "generate.png", paths)
     assert (tmp_path / "generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "generate.png").stat().st_size > 20_000
     assert sorted(series) == [2048, 32768] and set(series[2048]) == {"dynamic", "theirs", "floor"}
-    assert series[32768]["theirs"] == {1: 5.0, 8: 40.0, 32: 160.0}
+    assert series[32768]["theirs"] == {1: 5.0, 8: 41.0, 32: 160.0} and series[32768]["static"] == {8: 300.0}
+    assert series[32768]["dynamic"] == {1: 10.0, 8: 80.0, 32: 320.0}
 
 
 def test_plot_command_line_draws_the_generate_figure(tmp_path, bench):
