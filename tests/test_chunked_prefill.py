@@ -44,12 +44,20 @@ def prompts(batch_size=2, length=23, padding=5, seed=0):
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
 @pytest.mark.parametrize("chunk_size", [4, 7])
-def test_generate_with_prefill_chunks_gives_the_unchunked_greedy_tokens(model, chunk_size):
+def test_generate_with_prefill_chunks_gives_the_unchunked_greedy_tokens(model, chunk_size, cache_implementation):
+    """Left padding that spans the first chunk of 4 and part of the next; the default cache and the static one."""
     input_ids, attention_mask = prompts()
     with torch.no_grad():
         unchunked = model.generate(input_ids, attention_mask=attention_mask, **GREEDY)
-        chunked = model.generate(input_ids, attention_mask=attention_mask, prefill_chunk_size=chunk_size, **GREEDY)
+        chunked = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            prefill_chunk_size=chunk_size,
+            cache_implementation=cache_implementation,
+            **GREEDY,
+        )
     assert torch.equal(chunked, unchunked)
 
 
