@@ -105,8 +105,9 @@ def copy_bandwidth():
 def step_bytes(model, batch, context):
     """The bytes one decode step of ``batch`` sequences must move with ``context`` tokens cached, by kind.
 
-    - weights: every parameter but the embedding table (a step reads ``batch`` rows of it) and the routed experts,
-      plus, per MoE layer, the experts that ``batch`` tokens select: E * (1 - (1 - k/E)^batch) under uniform routing;
+    - weights: every parameter but the embedding table (of which a step reads only ``batch`` rows, left out) and the
+      routed experts, plus, per MoE layer, the experts that ``batch`` tokens select: E * (1 - (1 - k/E)^batch) of
+      them under uniform routing;
     - kda_state: per KDA layer the fp32 recurrent state and the conv state, each read and written;
     - mla_cache: per MLA layer the latent cache (``kv_lora_rank + qk_rope_head_dim`` values per token), read.
     """
