@@ -12,14 +12,15 @@ cache) over the copy bandwidth measured in the same run. Also the peak memory of
 (``cases=dynamic batches=1 prompts=262144,1048576``) measure the chunked prefill: its time and peak memory.
 
     python benchmarks/generate.py OUTDIR [cases=dynamic,static,theirs] [batches=1,8,32,128] [prompts=2048,32768]
-                                         [new_tokens=64]          (kda_moe importable; fla 0.6.0 for theirs)
+                                         [new_tokens=64] [prefill_chunk=N]   (kda_moe importable; fla 0.6.0 for theirs)
 
 The models are benchmarks/model.py's: its anchor config (822M parameters, 6 KDA + 2 MLA layers, 64 experts top-8,
 bf16), saved by transformers and loaded by ours. A step's time is the median interval between consecutive generated
 tokens (a stopping criterion that never stops reads the clock after each token, once the device is done), so the
 prefill, the first decode steps' compilation and autotuning, and generate()'s setup are not in it. Prompts longer
 than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks (generate()'s ``prefill_chunk_size``, see
-``prefill_chunk_size``), on every side alike: unchunked they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md
+``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of N tokens), on every side alike: unchunked
+they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md
 and OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
 records its error), and prints the table last.
 """
@@ -155,13 +156,14 @@ def prefill_chunk_size(batch, prompt):
     return max(min(PREFILL_TOKENS // batch, MASK_ENTRIES // (batch * prompt)), 1)
 
 
-def run_case(model, case, input_ids, new_tokens):
-    """One generate() of ``new_tokens`` tokens: (timings and peak memory, the generated tokens [B, new_tokens])."""
+def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
+    """One generate() of ``new_tokens`` tokens, its prompt prefilled in chunks of ``prefill_chunk`` tokens (default:
+    ``prefill_chunk_size``): (timings and peak memory, the generated tokens [B, new_tokens])."""
     if model_bench.dev == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     batch, prompt = input_ids.shape
-    chunk = prefill_chunk_size(batch, prompt)
+    chunk = prefill_chunk or prefill_chunk_size(batch, prompt)
     if case == "static":  # `compiled` below tells whether this generate() compiled (transformers keeps the call)
         model.__dict__.pop("_compiled_call", None)
     clock = StepClock()
@@ -223,7 +225,7 @@ def write_tables(res, out):
     return text
 
 
-def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKENS):
+def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKENS, prefill_chunk=None):
     import transformers
 
     os.makedirs(out, exist_ok=True)
@@ -252,7 +254,7 @@ def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKE
             for case in order:
                 model_bench.log(f"{case} {batch} x {prompt}: start")
                 try:
-                    row[case], tokens[case] = run_case(models[case], case, input_ids, new_tokens)
+                    row[case], tokens[case] = run_case(models[case], case, input_ids, new_tokens, prefill_chunk)
                     if case != "theirs" and "theirs" in tokens:
                         row[case]["same_as_theirs"] = agreement(tokens[case], tokens["theirs"])
                     if case == "static" and "dynamic" in tokens:
@@ -266,7 +268,7 @@ def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKE
 
 
 def parse_options(args):
-    """``cases=a,b batches=1,8 prompts=2048 new_tokens=64`` -> keyword arguments of ``main``."""
+    """``cases=a,b batches=1,8 prompts=2048 new_tokens=64 prefill_chunk=4096`` -> keyword arguments of ``main``."""
     options = {}
     for arg in args:
         key, _, value = arg.partition("=")
@@ -281,6 +283,10 @@ def parse_options(args):
             options[key] = int(value)
             if options[key] < 2:
                 sys.exit("new_tokens must be 2 or more: a step is the interval between two generated tokens")
+        elif key == "prefill_chunk":
+            options[key] = int(value)
+            if options[key] < 1:
+                sys.exit("prefill_chunk must be a positive number of tokens")
         else:
             sys.exit(f"unknown option {arg!r}; see the usage at the top of benchmarks/generate.py")
     return options

@@ -93,10 +93,10 @@ def test_generate_benchmark_cut_short_keeps_the_cases_it_measured(tmp_path, benc
     """A run stopped during our first case (a call's time limit) has already written transformers' case."""
     run_case = bench.run_case
 
-    def stopped_at_ours(model, case, input_ids, new_tokens):
+    def stopped_at_ours(model, case, *args):
         if case == "dynamic":
             raise KeyboardInterrupt  # not an Exception: the case loop does not catch it, as it cannot catch a kill
-        return run_case(model, case, input_ids, new_tokens)
+        return run_case(model, case, *args)
 
     monkeypatch.setattr(bench, "run_case", stopped_at_ours)
     with pytest.raises(KeyboardInterrupt):
@@ -106,12 +106,14 @@ def test_generate_benchmark_cut_short_keeps_the_cases_it_measured(tmp_path, benc
 
 
 def test_generate_benchmark_options_pick_the_cases_batches_and_prompts(bench, tmp_path, monkeypatch):
-    options = bench.parse_options(["cases=theirs,dynamic", "batches=2", "prompts=5,7", "new_tokens=3"])
-    assert options == dict(cases=["theirs", "dynamic"], batches=[2], prompts=[5, 7], new_tokens=3)
+    options = bench.parse_options(["cases=theirs,dynamic", "batches=2", "prompts=5,7", "new_tokens=3",
+                                   "prefill_chunk=3"])
+    assert options == dict(cases=["theirs", "dynamic"], batches=[2], prompts=[5, 7], new_tokens=3, prefill_chunk=3)
     res = bench.main(str(tmp_path), **options)
     assert [(row["batch"], row["prompt"]) for row in res["rows"]] == [(2, 5), (2, 7)]
-    assert all("static" not in row and "dynamic" in row for row in res["rows"])
-    for bad in (["cases=eager"], ["new_tokens=1"], ["batch=2"]):
+    assert all("static" not in row and row["dynamic"]["prefill_chunk_size"] == 3 for row in res["rows"])
+    assert all(row["dynamic"]["same_as_theirs"]["shortest_prefix"] == 3 for row in res["rows"])
+    for bad in (["cases=eager"], ["new_tokens=1"], ["batch=2"], ["prefill_chunk=0"]):
         with pytest.raises(SystemExit):
             bench.parse_options(bad)
 
