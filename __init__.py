@@ -25,6 +25,8 @@ from .modeling import (
     KdaMoeStaticCache,
     KdaMoeTextModel,
     KdaMoeVisionModel,
+    prefill_in_chunks,
+    score_in_chunks,
 )
 from .processing import KdaMoeImageProcessor, KdaMoeProcessor
 
@@ -57,4 +59,6 @@ __all__ = [
     "KdaMoeForConditionalGeneration",
     "KdaMoeImageProcessor",
     "KdaMoeProcessor",
+    "prefill_in_chunks",
+    "score_in_chunks",
 ]

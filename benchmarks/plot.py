@@ -1,12 +1,15 @@
-r"""Plot benchmarks/kda.py results: fla's time over ours per shape (forward, forward + backward) against the targets,
-and the decode step's time per batch size against the copy-bandwidth floor.
+r"""Plot benchmark results: benchmarks/kda.py's (fla's time over ours per shape, forward and forward + backward,
+against the targets, and the decode step's time per batch size against the copy-bandwidth floor) and
+benchmarks/generate.py's (decoded tokens/s per batch size of each side against the bandwidth floor).
 
     python benchmarks/plot.py [OUT.png RESULT.json [RESULT.json ...]]
+    python benchmarks/plot.py generate OUT.png GENERATE.json [GENERATE.json ...]
 
 Each RESULT.json is a ``kda_bench.json`` written by benchmarks/kda.py. Later files override earlier ones per shape
 and column, so a run that timed only some shapes or columns can be plotted over an earlier run; the figure's footnote
 names the file each plotted number came from. Without arguments it redraws the README's figure, FIGURE from
-README_FIGURE_RESULTS.
+README_FIGURE_RESULTS. Each GENERATE.json is a ``generate.json`` written by benchmarks/generate.py (merged the same
+way, per batch, prompt and side).
 """
 
 import json
@@ -99,7 +102,53 @@ def plot(out, paths):
     return rows, decode
 
 
+GENERATE_LINES = (("dynamic", "ours, dynamic cache", "tab:blue"), ("static", "ours, static + compiled", "tab:green"),
+                  ("theirs", "transformers + fla", "tab:orange"), ("floor", "bandwidth floor", "k"))
+
+
+def plot_generate(out, paths):
+    """Decoded tokens/s against the batch size, one panel per prompt length, a line per side (rows where a side failed
+    are left out of its line) and the bandwidth floor dashed. ``paths``: ``generate.json`` files of one or several
+    calls; a later file's row overrides an earlier one's for the same batch, prompt and side. Returns
+    {prompt: {side: {batch: tokens/s}}}."""
+    series, names, header = {}, [], None
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        header = header or res
+        names.append(os.path.basename(path))
+        for row in res["rows"]:
+            for side, _, _ in GENERATE_LINES:
+                if "tok_s" in row.get(side, {}):
+                    series.setdefault(row["prompt"], {}).setdefault(side, {})[row["batch"]] = row[side]["tok_s"]
+    prompts = sorted(series)
+    fig, axes = plt.subplots(1, len(prompts), figsize=(5.5 * len(prompts), 4.5), squeeze=False)
+    for ax, prompt in zip(axes[0], prompts):
+        for side, label, color in GENERATE_LINES:
+            points = sorted(series[prompt].get(side, {}).items())
+            if points:
+                ax.plot(*zip(*points), marker="o", color=color, ls="--" if side == "floor" else "-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        batches = sorted({batch for side in series[prompt].values() for batch in side})
+        ax.set_xticks(batches, [str(batch) for batch in batches])
+        ax.set_xlabel("batch (sequences decoded per step)")
+        ax.set_ylabel("decoded tokens/s")
+        ax.set_title(f"generate(), {prompt:,}-token prompts")
+        ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, f"{header['gpu']}, {header['dtype']}, {header['params'] / 1e6:.0f}M parameters; data: "
+             f"{', '.join(names)}", fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(out, dpi=110)
+    return series
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["generate"]:
+        if len(sys.argv) < 4:
+            sys.exit("usage: python benchmarks/plot.py generate OUT.png GENERATE.json [GENERATE.json ...]")
+        plot_generate(sys.argv[2], sys.argv[3:])
+        sys.exit()
     if len(sys.argv) == 2:
         sys.exit("usage: python benchmarks/plot.py [OUT.png RESULT.json [RESULT.json ...]]")
     out, paths = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 2 else (FIGURE, README_FIGURE_RESULTS)

@@ -1,5 +1,7 @@
-"""Modeling: the text decoder (`modeling_kda_moe.py`) and checkpoint-layout conversions (`conversion.py`)."""
+"""Modeling: the text decoder (`modeling_kda_moe.py`), checkpoint-layout conversions (`conversion.py`) and long prompts
+in chunks without generate() (`chunked_prefill.py`)."""
 
+from .chunked_prefill import prefill_in_chunks, score_in_chunks
 from .conversion import kimi_linear_conversions  # noqa: F401  (importing it registers the Kimi Linear conversions)
 from .modeling_kda_moe import (
     KdaMoeCache,
@@ -27,4 +29,6 @@ __all__ = [
     "KdaMoeMultimodalPreTrainedModel",
     "KdaMoeModel",
     "KdaMoeForConditionalGeneration",
+    "prefill_in_chunks",
+    "score_in_chunks",
 ]

@@ -1,0 +1,296 @@
+"""Decoding speed on the GPU: milliseconds per decode step and decoded tokens/s of ``generate()`` (greedy) at batch 1,
+8, 32 and 128 with 2K- and 32K-token prompts, for
+
+- ``dynamic``: our KdaMoeForCausalLM with its default cache (``KdaMoeCache``);
+- ``static``: ours with ``cache_implementation="static"``, whose decode step transformers compiles on its own
+  (``generation_config.compile_config``: fullgraph, CUDA graphs);
+- ``theirs``: transformers' KimiLinearForCausalLM with fla's kernels, on the same checkpoint;
+
+beside the bandwidth floor: the bytes one step must read (active weights, KDA states read and written, the MLA latent
+cache) over the copy bandwidth measured in the same run. Also the peak memory of each generate(), its prefill time
+(to the first token) and how many of our greedy tokens equal transformers'. Long prompts at batch 1
+(``cases=dynamic batches=1 prompts=262144,1048576``) measure the chunked prefill: its time and peak memory.
+
+    python benchmarks/generate.py OUTDIR [cases=dynamic,static,theirs] [batches=1,8,32,128] [prompts=2048,32768]
+                                         [new_tokens=64] [prefill_chunk=N]   (kda_moe importable; fla 0.6.0 for theirs)
+
+The models are benchmarks/model.py's: its anchor config (822M parameters, 6 KDA + 2 MLA layers, 64 experts top-8,
+bf16), saved by transformers and loaded by ours. A step's time is the median interval between consecutive generated
+tokens (a stopping criterion that never stops reads the clock after each token, once the device is done), so the
+prefill, the first decode steps' compilation and autotuning, and generate()'s setup are not in it. Prompts longer
+than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks (generate()'s ``prefill_chunk_size``, see
+``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of N tokens), on every side alike: unchunked
+they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md
+and OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
+records its error), and prints the table last.
+"""
+
+import importlib.metadata
+import importlib.util
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from kda_moe.modeling.modeling_kda_moe import KdaMoeExperts
+
+
+def load_model_benchmark():
+    """benchmarks/model.py, beside this file: the anchor config, both models on one checkpoint, the timers."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
+    spec = importlib.util.spec_from_file_location("model_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+model_bench = load_model_benchmark()
+
+CASES = ("dynamic", "static", "theirs")
+BATCHES = (1, 8, 32, 128)
+PROMPTS = (2048, 32768)
+NEW_TOKENS = 64
+DTYPE = torch.bfloat16
+PREFILL_TOKENS = 262144  # most prompt tokens (over the batch) in one prefill forward; longer prompts go in chunks
+MASK_ENTRIES = 2**32  # most entries of a prefill chunk's MLA mask [batch, chunk, prompt] (bool, then bf16 in SDPA)
+GENERATE_OPTIONS = {
+    "dynamic": {},
+    "static": {"cache_implementation": "static"},
+    "theirs": {},
+}
+
+
+class StepClock(StoppingCriteria):
+    """Reads the clock after each generated token, once the device has finished it; never stops generation."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        model_bench.sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def step_seconds(self):
+        """Median seconds between consecutive tokens: one decode step."""
+        steps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
+        return steps[len(steps) // 2]
+
+
+def fla_version():
+    """The version of fla, whose kernels transformers' Kimi Linear runs on CUDA tensors (read without importing it)."""
+    if importlib.util.find_spec("fla") is None:
+        return "not installed"
+    for distribution in ("fla-core", "flash-linear-attention"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "unknown version"
+
+
+def copy_bandwidth():
+    """Device copy bandwidth in GB/s: bytes read plus bytes written by a 1 GiB copy (16 MiB off the GPU)."""
+    size = 2**30 if model_bench.dev == "cuda" else 2**24
+    source = torch.empty(size, dtype=torch.uint8, device=model_bench.dev)
+    target = torch.empty_like(source)
+    return 2 * size / model_bench.timed(lambda: target.copy_(source), n=20, warm=3) / 1e9
+
+
+def step_bytes(model, batch, context):
+    """The bytes one decode step of ``batch`` sequences must move with ``context`` tokens cached, by kind.
+
+    - weights: every parameter but the embedding table (of which a step reads only ``batch`` rows, left out) and the
+      routed experts, plus, per MoE layer, the experts that ``batch`` tokens select: E * (1 - (1 - k/E)^batch) of
+      them under uniform routing;
+    - kda_state: per KDA layer the fp32 recurrent state and the conv state, each read and written;
+    - mla_cache: per MLA layer the latent cache (``kv_lora_rank + qk_rope_head_dim`` values per token), read.
+    """
+    config = model.config
+    experts = [module for module in model.modules() if isinstance(module, KdaMoeExperts)]
+    expert_params = {id(p) for module in experts for p in module.parameters()}
+    embedding = model.get_input_embeddings().weight
+    weights = sum(p.nbytes for p in model.parameters() if id(p) not in expert_params and p is not embedding)
+    if model.get_output_embeddings().weight is embedding:  # tied: the head still reads the whole table
+        weights += embedding.nbytes
+    top_k, num_experts = config.num_experts_per_tok, config.num_experts
+    selected = num_experts * (1 - (1 - top_k / num_experts) ** batch)
+    weights += sum(selected * sum(p.nbytes for p in module.parameters()) / num_experts for module in experts)
+
+    element = torch.finfo(DTYPE).bits // 8
+    kda_layers = config.layer_types.count("linear_attention")
+    heads, head_dim = config.linear_num_heads, config.linear_head_dim
+    recurrent = heads * head_dim * head_dim * 4
+    conv = 3 * heads * head_dim * (config.linear_conv_kernel_dim - 1) * element
+    kda_state = kda_layers * batch * 2 * (recurrent + conv)
+    mla_layers = config.layer_types.count("full_attention")
+    mla_cache = mla_layers * batch * context * (config.kv_lora_rank + config.qk_rope_head_dim) * element
+    return dict(weights=weights, kda_state=kda_state, mla_cache=mla_cache)
+
+
+def bandwidth_floor(model, batch, prompt, new_tokens, copy_gbps):
+    """The floor row: bytes per step (at the mean context of the decode) and the step time and tokens/s that moving
+    them at the measured copy bandwidth allows."""
+    moved = step_bytes(model, batch, prompt + new_tokens // 2)
+    seconds = sum(moved.values()) / (copy_gbps * 1e9)
+    return dict(bytes=moved, ms_per_step=seconds * 1e3, tok_s=batch / seconds)
+
+
+def agreement(tokens, reference):
+    """How far two greedy generations [B, N] agree: equal positions, of how many, and the shortest common prefix."""
+    same = tokens == reference
+    return dict(positions=int(same.sum()), of=same.numel(), shortest_prefix=int(same.int().cumprod(1).sum(1).min()))
+
+
+def prefill_chunk_size(batch, prompt):
+    """generate()'s `prefill_chunk_size` for a prompt [batch, prompt]: None (one forward) up to `PREFILL_TOKENS`
+    tokens, else the longest chunk whose tokens and MLA mask (it attends to up to `prompt` positions) stay in budget."""
+    if batch * prompt <= PREFILL_TOKENS:
+        return None
+    return max(min(PREFILL_TOKENS // batch, MASK_ENTRIES // (batch * prompt)), 1)
+
+
+def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
+    """One generate() of ``new_tokens`` tokens, its prompt prefilled in chunks of ``prefill_chunk`` tokens (default:
+    ``prefill_chunk_size``): (timings and peak memory, the generated tokens [B, new_tokens])."""
+    if model_bench.dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    batch, prompt = input_ids.shape
+    chunk = prefill_chunk or prefill_chunk_size(batch, prompt)
+    if case == "static":  # `compiled` below tells whether this generate() compiled (transformers keeps the call)
+        model.__dict__.pop("_compiled_call", None)
+    clock = StepClock()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            prefill_chunk_size=chunk, stopping_criteria=StoppingCriteriaList([clock]), **GENERATE_OPTIONS[case],
+        )
+    seconds = time.perf_counter() - start
+    step = clock.step_seconds()
+    result = dict(ms_per_step=step * 1e3, tok_s=batch / step, prefill_s=clock.times[0] - start, generate_s=seconds,
+                  peak_GB=model_bench.peak_gb(), prefill_chunk_size=chunk)
+    if case == "static":
+        result["compiled"] = getattr(model, "_compiled_call", None) is not None
+    return result, out[:, prompt:]
+
+
+def cell(entry):
+    if entry is None:
+        return "-"
+    if "error" in entry:
+        return "error: " + entry["error"].strip().splitlines()[-1][:70]
+    return f"{entry['ms_per_step']:.2f} ms, {entry['tok_s']:,.0f} tok/s"
+
+
+def ratio(row, ours, theirs="theirs"):
+    a, b = row.get(ours, {}), row.get(theirs, {})
+    return f"{a['tok_s'] / b['tok_s']:.2f}x" if "tok_s" in a and "tok_s" in b else "-"
+
+
+def matches(entry):
+    if entry is None or "same_as_theirs" not in entry:
+        return "-"
+    same = entry["same_as_theirs"]
+    return f"{same['positions']}/{same['of']} (prefix {same['shortest_prefix']})"
+
+
+def write_tables(res, out):
+    """OUTDIR/generate.md and generate.json from what ``res`` holds so far; returns the markdown."""
+    md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}, fla {res['fla']}; "
+          f"{res['params'] / 1e6:.0f}M parameters, {res['dtype']}; {res['new_tokens']} greedy tokens per generate(); "
+          f"copy bandwidth {res['copy_GBps']:.0f} GB/s. A step: the median interval between generated tokens.", "",
+          "| batch x prompt | ours (dynamic cache) | ours (static, compiled) | transformers + fla | bandwidth floor | "
+          "static / theirs | dynamic / theirs | peak GB: dynamic / static / theirs | greedy tokens = theirs: "
+          "dynamic; static |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for row in res["rows"]:
+        peaks = " / ".join(f"{row[c]['peak_GB']:.1f}" if row.get(c, {}).get("peak_GB") is not None else "-"
+                           for c in CASES)
+        md.append(f"| {row['batch']} x {row['prompt']} | {cell(row.get('dynamic'))} | {cell(row.get('static'))} | "
+                  f"{cell(row.get('theirs'))} | {cell(row['floor'])} | {ratio(row, 'static')} | "
+                  f"{ratio(row, 'dynamic')} | {peaks} | {matches(row.get('dynamic'))}; {matches(row.get('static'))} |")
+    text = "\n".join(md)
+    with open(os.path.join(out, "generate.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, "generate.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return text
+
+
+def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKENS, prefill_chunk=None):
+    import transformers
+
+    os.makedirs(out, exist_ok=True)
+    dev = model_bench.dev
+    config = model_bench.anchor_config()
+    with tempfile.TemporaryDirectory() as folder:
+        theirs, ours = model_bench.build_models(config, folder)
+    ours, theirs = ours.to(DTYPE), theirs.to(DTYPE)
+    models = {"dynamic": ours, "static": ours, "theirs": theirs}
+    res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
+               transformers=transformers.__version__, fla=fla_version(),
+               params=sum(p.numel() for p in ours.parameters()), dtype=str(DTYPE).removeprefix("torch."),
+               new_tokens=new_tokens, copy_GBps=copy_bandwidth(), rows=[])
+    model_bench.log(f"copy bandwidth {res['copy_GBps']:.0f} GB/s")
+    order = [case for case in ("theirs", "dynamic", "static") if case in cases]  # theirs first: ours compare to it
+    # Every row is a new shape (batch, cache length) for the compiled decode step of the static case: allow more
+    # recompilations than torch's default 8, after which it would run eagerly.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for prompt, batch in itertools.product(prompts, batches):
+            input_ids = torch.randint(3, config.vocab_size, (batch, prompt), device=dev,
+                                      generator=torch.Generator(dev).manual_seed(batch * prompt))
+            row = dict(batch=batch, prompt=prompt, floor=bandwidth_floor(ours, batch, prompt, new_tokens,
+                                                                         res["copy_GBps"]))
+            res["rows"].append(row)
+            tokens = {}
+            for case in order:
+                model_bench.log(f"{case} {batch} x {prompt}: start")
+                try:
+                    row[case], tokens[case] = run_case(models[case], case, input_ids, new_tokens, prefill_chunk)
+                    if case != "theirs" and "theirs" in tokens:
+                        row[case]["same_as_theirs"] = agreement(tokens[case], tokens["theirs"])
+                    if case == "static" and "dynamic" in tokens:
+                        row[case]["same_as_dynamic"] = agreement(tokens[case], tokens["dynamic"])
+                except Exception:  # noqa: BLE001
+                    row[case] = dict(error=traceback.format_exc(limit=3)[-600:])
+                model_bench.log(f"{case} {batch} x {prompt}: {row[case]}")
+                write_tables(res, out)  # after every case: a call cut short still leaves its table
+    print(write_tables(res, out))
+    return res
+
+
+def parse_options(args):
+    """``cases=a,b batches=1,8 prompts=2048 new_tokens=64 prefill_chunk=4096`` -> keyword arguments of ``main``."""
+    options = {}
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key == "cases":
+            unknown = set(value.split(",")) - set(CASES)
+            if unknown:
+                sys.exit(f"unknown case(s) {sorted(unknown)}; the cases are {', '.join(CASES)}")
+            options["cases"] = value.split(",")
+        elif key in ("batches", "prompts"):
+            options[key] = [int(v) for v in value.split(",")]
+        elif key == "new_tokens":
+            options[key] = int(value)
+            if options[key] < 2:
+                sys.exit("new_tokens must be 2 or more: a step is the interval between two generated tokens")
+        elif key == "prefill_chunk":
+            options[key] = int(value)
+            if options[key] < 1:
+                sys.exit("prefill_chunk must be a positive number of tokens")
+        else:
+            sys.exit(f"unknown option {arg!r}; see the usage at the top of benchmarks/generate.py")
+    return options
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".", **parse_options(sys.argv[2:]))
