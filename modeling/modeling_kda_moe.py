@@ -438,7 +438,9 @@ class KdaMoeDeltaAttention(nn.Module):
     q, k, v = SiLU(short causal conv(W x)); the decay `g` comes from a rank-K projection plus `dt_bias`, through
     either the bounded `gate_lower_bound * sigmoid(exp(A_log) * z)` (K3) or `-exp(A_log) * softplus(z)` (Kimi
     Linear); `beta = sigmoid(b_proj(x))`. The L2 norm of q/k, the gate activation and the beta sigmoid happen inside
-    `kimi_delta_attention`, so the Triton backend fuses them. Output: `o_proj(RMSNorm(o) * sigmoid(gate))`.
+    `kimi_delta_attention`, so the Triton backend fuses them. Output: `o_proj(RMSNorm(o) * sigmoid(gate))`. A decoding
+    step (one token, no autograd) runs everything between the projections and `o_proj` as one `kda_layer_decode_step`
+    (one kernel on Triton).
 
     Cache per layer: the conv state (last `kernel - 1` inputs of q, k, v) and the recurrent state S.
     """

@@ -98,7 +98,9 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, beta, A_log, dt_bias, state
         bo = tl.load(o + i_bh * V + o_v).to(tl.float32)
         bw = tl.load(norm_w + o_v).to(tl.float32)
         bgate = tl.load(gate + i_bh * V + o_v).to(tl.float32)
-        tl.store(o + i_bh * V + o_v, (bo * r * bw * tl.sigmoid(bgate)).to(o.dtype.element_ty))
+        normed = (bo * r * bw * tl.sigmoid(bgate)).to(o.dtype.element_ty)
+        tl.debug_barrier()  # every thread has read this slab of the raw output before any of it is overwritten
+        tl.store(o + i_bh * V + o_v, normed)
 
 
 def launch_fused_decode(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
