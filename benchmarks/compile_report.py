@@ -12,9 +12,9 @@ and to the backward's recompute, and ``chunk_bwd.BackwardLaunch``; its ``gate_pr
 to match the GPU machine's compiler, put that version first (``pip install --target /tmp/t36 triton==3.6.0``, then
 ``PYTHONPATH=/tmp/t36``). The launch code runs for real on CPU tensors of shape KDA_SHAPE (default 1,256,2,128;
 both gates, forward and backward, and one decoding step of B sequences through each decode kernel, with the launches
-``decode_launch`` / ``fused_decode_launch`` pick); a stand-in driver names sm_90 as the target and every launch compiles its kernel
-without running it, so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships
-in the Triton wheel.
+``decode_launch`` / ``fused_decode_launch`` pick); a stand-in driver names sm_90 as the target and every launch
+compiles its kernel without running it, so the outputs are garbage and only the compiled kernels matter. Uses the
+cuobjdump that ships in the Triton wheel.
 """
 
 import dataclasses
