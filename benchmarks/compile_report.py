@@ -1,5 +1,6 @@
 """Compile every KDA kernel for an H100 / H200 (sm_90) on a machine without a GPU and print what the compiler
-reports: registers, spill stack and shared memory per kernel. Device time is scarce; spills, shared-memory
+reports: registers, spill stack and shared memory per kernel (the chunked forward and backward, the decode step and the
+fused layer decode step). Device time is scarce; spills, shared-memory
 overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [forward json] [backward json]
@@ -10,9 +11,10 @@ and to the backward's recompute, and ``chunk_bwd.BackwardLaunch``; its ``gate_pr
 ``python benchmarks/compile_report.py bf16 '{"chunk_maxnreg": 128}'``. It compiles with the Triton it imports:
 to match the GPU machine's compiler, put that version first (``pip install --target /tmp/t36 triton==3.6.0``, then
 ``PYTHONPATH=/tmp/t36``). The launch code runs for real on CPU tensors of shape KDA_SHAPE (default 1,256,2,128;
-both gates, forward and backward); a stand-in driver names sm_90 as the target and every launch compiles its kernel
-without running it, so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships
-in the Triton wheel.
+both gates, forward and backward, and one decoding step of B sequences through each decode kernel, with the launches
+``decode_launch`` / ``fused_decode_launch`` pick); a stand-in driver names sm_90 as the target and every launch
+compiles its kernel without running it, so the outputs are garbage and only the compiled kernels matter. Uses the
+cuobjdump that ships in the Triton wheel.
 """
 
 import dataclasses
@@ -46,7 +48,8 @@ class _Sm90Driver:
 
 
 def compile_all(dtype, forward_fields, backward_fields):
-    """Run the forward and backward launch code for both gates; return {kernel name: [compiled kernels]}."""
+    """Run the forward and backward launch code and both decode steps for both gates; return {kernel name: [compiled
+    kernels]}."""
     driver.set_active(_Sm90Driver())
     compiled = {}
     launch = JITFunction.run
@@ -58,7 +61,7 @@ def compile_all(dtype, forward_fields, backward_fields):
 
     JITFunction.run = compile_only
     try:
-        from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
+        from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, fused_decode, recurrent
 
         B, T, H, K = (int(n) for n in os.environ.get("KDA_SHAPE", "1,256,2,128").split(","))
         q, k, v, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(4))
@@ -74,6 +77,14 @@ def compile_all(dtype, forward_fields, backward_fields):
                                                    launch=dataclasses.replace(forward, **forward_fields))
             chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, None, v, None, scores,
                                     launch=dataclasses.replace(backward, recompute=recompute, **backward_fields))
+            state = torch.zeros(B, H, K, K)
+            step = [t[:, 0].contiguous() for t in (q, k, v, g, beta)]
+            recurrent.launch_decode(*step, A_log, dt_bias, state, lb, K ** -0.5, recurrent.decode_launch(K))
+            qkv, gate = torch.randn(B, 3 * H * K, dtype=dtype), torch.randn(B, H * K, dtype=dtype)
+            conv_weight, conv_state = torch.randn(3 * H * K, 4, dtype=dtype), torch.zeros(B, 3 * H * K, 3, dtype=dtype)
+            fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, step[3].flatten(1), step[4], A_log, dt_bias,
+                                             state, gate, torch.ones(K, dtype=dtype), 1e-5, lb, K ** -0.5,
+                                             fused_decode.fused_decode_launch(K, K))
     finally:
         JITFunction.run = launch
     return compiled

@@ -1,18 +1,24 @@
 """KDA on the GPU: our Triton kernels vs flash-linear-attention 0.6.0 ``chunk_kda`` (safe_gate on and off)
-vs the PyTorch reference; forward, forward+backward and the decode step, with the matmul and copy
-ceilings measured in the same run.
+vs the PyTorch reference; forward, forward+backward, the decode kernel and a KDA layer's whole decode step, with the
+matmul and copy ceilings measured in the same run.
 
     python benchmarks/kda.py OUTDIR [fast] [decode|nodecode] [shapes=16x4096x16,...] [tune|stages]
                                                                       (kda_moe importable; fla 0.6.0 for its columns)
 
 ``fast`` drops the slow columns (our softplus path, the torch reference) and the per-stage and per-kernel times
-(torch.profiler) of one forward + backward at the first shape; ``decode`` runs only the ceilings and the decode table;
+(torch.profiler) of one forward + backward at the first shape; ``decode`` runs only the ceilings and the decode tables;
 ``tune`` first times the launch settings in ``KNOBS`` one at a time at the first shape, starting from the launches the
 kernels pick (``chunk_fwd.forward_launch``, ``chunk_bwd.backward_launch``) and keeping each faster value for the next
 ones, and reports the fastest it found (``stages`` tunes only the first two: the pipelining depth of the forward's
 chunk kernel and of the gate-gradient kernel); the table always runs the launches the kernels pick, so a faster
 setting found here becomes the default by editing those functions; ``shapes=`` keeps only the listed shapes
-(B x T x H); ``nodecode`` skips the decode table.
+(B x T x H); ``nodecode`` skips the decode tables.
+
+Decode tables (one token for each of B sequences, fp32 state updated in place, no autograd): the decode kernel alone
+beside fla's ``fused_recurrent_kda`` on pre-activated inputs; then a layer's step between its projections and
+``o_proj`` (conv step, q / k norms, gate, beta, state update, gated RMSNorm): ours as three launches and as the fused
+kernel, each also replayed from a CUDA graph (the fused kernel also under each launch of ``fused_knobs``), fla's
+three-launch equivalent (``fla_decode_ops``) eagerly and graphed, and the torch reference.
 
 Writes OUTDIR/kda_bench.md (the table) and OUTDIR/kda_bench.json after every row (a run cut short keeps what it
 measured); prints the table last. At every shape with no more tokens x heads than the first (the default list's 16-head
@@ -35,7 +41,15 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, kimi_delta_attention, recurrent
+from kda_moe.kernels.kda import (
+    chunk_bwd,
+    chunk_fwd,
+    fused_decode,
+    kda_layer_decode_step,
+    kda_layer_decode_step_unfused,
+    kimi_delta_attention,
+    recurrent,
+)
 from kda_moe.kernels.kda.chunk import chunk_kda_triton
 from kda_moe.kernels.kda.recurrent import kda_decode_step_triton
 
@@ -133,7 +147,7 @@ def kernel_stats():
     for mod, name in [(chunk_fwd, "_chunk_kernel"), (chunk_fwd, "_scan_kernel"), (chunk_bwd, "_scan_bwd_kernel"),
                       (chunk_bwd, "_state_grads_kernel"), (chunk_bwd, "_wy_grads_kernel"),
                       (chunk_bwd, "_gate_grads_kernel"),
-                      (recurrent, "_decode_kernel")]:
+                      (recurrent, "_decode_kernel"), (fused_decode, "_fused_decode_kernel")]:
         fn = getattr(mod, name)
         try:
             for dev_caches in fn.device_caches.values():
@@ -245,6 +259,115 @@ def time_pipeline(res, knobs):
     print("kernel times, one fwd+bwd (ms):", {n[:40]: round(x, 3) for n, x in res["kernel_ms"].items()}, flush=True)
 
 
+# the decode tables: one token for each of DECODE_BATCHES sequences, DECODE_HEADS heads of K = V = DECODE_DIM
+DECODE_BATCHES, DECODE_HEADS, DECODE_DIM, DECODE_DTYPE, CONV_WIDTH = [256, 1, 64], 16, 128, torch.bfloat16, 4
+
+
+def fused_knobs(V):
+    """Launches of the fused layer step tried at every batch (the rows run ``fused_decode_launch``'s)."""
+    return [fused_decode.FusedDecodeLaunch(bv=V // 2, warps=4), fused_decode.FusedDecodeLaunch(bv=V // 2, warps=8),
+            fused_decode.FusedDecodeLaunch(bv=V, warps=8), fused_decode.FusedDecodeLaunch(bv=V, warps=16)]
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after one call, which compiles its kernels); returns the graph's replay."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def layer_step_inputs(B, H, K):
+    """One KDA layer's decode-step inputs (``kda_layer_decode_step``'s arguments) for B sequences."""
+    C = 3 * H * K
+    r = lambda *shape: torch.randn(*shape, device=dev)  # noqa: E731
+    x = dict(qkv=r(B, C), conv_weight=0.5 * r(C, CONV_WIDTH), conv_state=r(B, C, CONV_WIDTH - 1), g=r(B, H * K),
+             beta=r(B, H), gate=r(B, H * K), norm_weight=1 + 0.1 * r(K))
+    x = {name: t.to(DECODE_DTYPE) for name, t in x.items()}
+    x.update(A_log=torch.log(torch.empty(H, device=dev).uniform_(1, 16)), dt_bias=0.1 * r(H * K), state=r(B, H, K, K))
+    return x
+
+
+def layer_step_bytes(x):
+    """The fewest bytes a layer step moves: both states read and written, the other inputs read, the output written."""
+    read = sum(x[n].nbytes for n in ("qkv", "conv_weight", "g", "beta", "A_log", "dt_bias", "gate", "norm_weight"))
+    return 2 * (x["state"].nbytes + x["conv_state"].nbytes) + read + x["gate"].nbytes  # the output: the gate's size
+
+
+def fla_decode_ops():
+    """fla's decode step of the same layer as ``fn(x, conv_cache) -> [B, H*V]``, or None without fla: what its
+    ``KimiDeltaAttention`` runs at one token, with one conv over q | k | v where its layer runs three (one launch
+    fewer than fla's own layer): ``causal_conv1d_update`` on its ``[B, C, W]`` cache, ``fused_recurrent_kda`` with the
+    gate, beta's sigmoid and the q / k L2 norms in its kernel (writing a new final state: its public API has no
+    in-place update), then its fused gated RMSNorm."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d_update
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda import fused_recurrent_kda
+    except Exception as e:  # noqa: BLE001
+        print("fla's decode ops not importable:", e)
+        return None
+
+    def step(x, conv_cache):
+        B, H, K, V = x["state"].shape
+        y, _ = causal_conv1d_update(x=x["qkv"], cache=conv_cache, weight=x["conv_weight"], activation="silu")
+        q, k, v = (t.reshape(B, 1, H, -1) for t in y.split([H * K, H * K, H * V], dim=-1))
+        o, _ = fused_recurrent_kda(q, k, v, x["g"].view(B, 1, H, K), x["beta"].view(B, 1, H), A_log=x["A_log"],
+                                   dt_bias=x["dt_bias"], initial_state=x["state"], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                   use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+        return rms_norm_gated(o, x["gate"].view(B, 1, H, V), x["norm_weight"], None, activation="sigmoid",
+                              eps=1e-5).reshape(B, H * V)
+
+    return step
+
+
+def layer_step_row(B, d, fla_step, copy_GBps):
+    """Into ``d``: one KDA layer's decode step between its projections and ``o_proj`` (conv step, KDA step, gated
+    RMSNorm; bounded gate) at batch B. Times of ours as three launches (``kda_layer_decode_step_unfused``) and as one
+    fused kernel, each also replayed from a CUDA graph, of the fused kernel under each of ``fused_knobs``, of fla's
+    (three launches, also graphed) and of the torch reference; relative errors of one step of ours and fla's against
+    the fp32 reference on the same inputs."""
+    no_grad = torch.no_grad()
+    x = layer_step_inputs(B, DECODE_HEADS, DECODE_DIM)
+    start = {name: t.clone() for name, t in x.items()}
+    steps = {"unfused": lambda: kda_layer_decode_step_unfused(**x, eps=1e-5, gate_lower_bound=LB, backend="triton"),
+             "fused": lambda: kda_layer_decode_step(**x, eps=1e-5, gate_lower_bound=LB, backend="triton")}
+    for name, fn in steps.items():
+        d[f"step_{name}_ms"] = bench(no_grad(fn))
+        d[f"step_{name}_graph_ms"] = bench(graphed(no_grad(fn)))
+    args = [x[n] for n in ("qkv", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "gate",
+                           "norm_weight")]
+    d["step_knob_ms"] = {str(launch): bench(lambda launch=launch: fused_decode.launch_fused_decode(
+        *args, 1e-5, LB, DECODE_DIM ** -0.5, launch)) for launch in fused_knobs(DECODE_DIM)}
+    d["step_torch_ms"] = bench(no_grad(lambda: kda_layer_decode_step(**x, eps=1e-5, gate_lower_bound=LB,
+                                                                     backend="torch")))
+    fla_cache = torch.cat([x["conv_state"][..., :1], x["conv_state"]], dim=-1)  # fla keeps the last W inputs
+    if fla_step is not None:
+        try:
+            d["step_fla_ms"] = bench(no_grad(lambda: fla_step(x, fla_cache)))
+            d["step_fla_graph_ms"] = bench(graphed(no_grad(lambda: fla_step(x, fla_cache))))
+        except Exception:  # noqa: BLE001  (a yardstick that fails leaves ours standing)
+            d["step_fla_error"] = traceback.format_exc(limit=3)[-600:]
+            print("fla decode step", d["step_fla_error"], flush=True)
+    d["step_GBps"] = layer_step_bytes(x) / min(d["step_fused_ms"], d["step_fused_graph_ms"]) / 1e6
+    d["step_frac_copy"] = d["step_GBps"] / copy_GBps
+    # errors of one step from the same start against the fp32 reference
+    fresh = lambda: {name: t.clone() for name, t in start.items()}  # noqa: E731
+    ref = {name: t.float() for name, t in fresh().items()}
+    with torch.no_grad():
+        expected = kda_layer_decode_step(**ref, eps=1e-5, gate_lower_bound=LB, backend="torch")
+        ours = fresh()
+        d["step_rel_err_fused"] = rel(kda_layer_decode_step(**ours, eps=1e-5, gate_lower_bound=LB, backend="triton"),
+                                      expected)
+        d["step_rel_err_fused_state"] = rel(ours["state"], ref["state"])
+        if "step_fla_ms" in d:
+            theirs = fresh()
+            d["step_rel_err_fla"] = rel(fla_step(theirs, torch.cat([theirs["conv_state"][..., :1],
+                                                                     theirs["conv_state"]], dim=-1)), expected)
+
+
 def main(out):
     os.makedirs(out, exist_ok=True)
     res = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name()}
@@ -327,13 +450,14 @@ def main(out):
         del q, k, v, g, beta, ins, do
         torch.cuda.empty_cache()
 
-    # decode: one token for B sequences, fp32 state [B, 16, 128, 128] updated in place; every side timed without
+    # decode: one token for each of B sequences, fp32 state [B, H, K, K] updated in place; every side timed without
     # autograd, as generate() runs it (our wrappers then skip the custom-op dispatch)
     no_grad = torch.no_grad()
-    H, K = 16, 128
-    for B in ([] if "nodecode" in sys.argv[2:] else [256, 1, 64]):
-        q, k, v, g = (torch.randn(B, H, K, device=dev, dtype=torch.bfloat16) for _ in range(4))
-        beta = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+    H, K = DECODE_HEADS, DECODE_DIM
+    fla_step = fla_decode_ops()
+    for B in ([] if "nodecode" in sys.argv[2:] else DECODE_BATCHES):
+        q, k, v, g = (torch.randn(B, H, K, device=dev, dtype=DECODE_DTYPE) for _ in range(4))
+        beta = torch.randn(B, H, device=dev, dtype=DECODE_DTYPE)
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.1
         state = torch.randn(B, H, K, K, device=dev)
@@ -344,17 +468,13 @@ def main(out):
             d["knob_ms"] = {str(launch): bench(lambda: recurrent.launch_decode(q, k, v, g, beta, A_log, dt_bias, state,
                                                                                LB, K ** -0.5, launch))
                             for launch in DECODE_KNOBS}
-        f()
-        gph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gph):
-            f()
         d["ours_ms"] = bench(f)
-        d["ours_graph_ms"] = bench(gph.replay)
+        d["ours_graph_ms"] = bench(graphed(f))
         if fused_recurrent_kda is not None:
             qn = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype).unsqueeze(1)
             kn = torch.nn.functional.normalize(k.float(), dim=-1).to(q.dtype).unsqueeze(1)
             gg = -torch.rand(B, 1, H, K, device=dev)
-            bb = torch.rand(B, 1, H, device=dev, dtype=torch.bfloat16)
+            bb = torch.rand(B, 1, H, device=dev, dtype=DECODE_DTYPE)
             h0 = state.clone()
             d["fla_ms"] = bench(no_grad(lambda: fused_recurrent_kda(qn, kn, v.unsqueeze(1), gg, bb, initial_state=h0,
                                                                      output_final_state=True)))
@@ -365,6 +485,8 @@ def main(out):
         d["ours_GBps"] = sb / d["ours_ms"] / 1e6
         d["ours_graph_GBps"] = sb / d["ours_graph_ms"] / 1e6
         d["frac_copy"] = max(d["ours_GBps"], d["ours_graph_GBps"]) / res["copy_GBps"]
+        del q, k, v, g, beta, state
+        layer_step_row(B, d, fla_step, res["copy_GBps"])
         dec.append(d)
         print(d, flush=True)
         write_tables(res, out)
@@ -401,12 +523,25 @@ def write_tables(res, out):
                       f"{fmt(fs)} | {fmt(r.get(f'fla_nosafe_{p}_ms'))} | {fmt(r.get(f'torch_ref_{p}_ms'))} | {ratio} | "
                       f"{tf} | {gb} | {err} | {peak} |")
     if dec:
-        md += ["", "| decode B (H=16, K=V=128, fp32 state) | ours | ours (CUDA graph) | fla fused_recurrent | "
-               "torch ref | ours state GB/s | of copy |", "|---|---|---|---|---|---|---|"]
+        md += ["", f"| decode B (H={DECODE_HEADS}, K=V={DECODE_DIM}, fp32 state) | ours | ours (CUDA graph) | "
+               "fla fused_recurrent | torch ref | ours state GB/s | of copy |", "|---|---|---|---|---|---|---|"]
     for d in dec:
         md.append(f"| {d['B']} | {d['ours_ms'] * 1e3:.1f} us | {d['ours_graph_ms'] * 1e3:.1f} us | "
                   f"{d.get('fla_ms', float('nan')) * 1e3:.1f} us | {d['torch_ms'] * 1e3:.1f} us | "
                   f"{max(d['ours_GBps'], d['ours_graph_GBps']):.0f} | {100 * d['frac_copy']:.0f}% |")
+    if dec:
+        md += ["", "Layer decode step (conv step + KDA step + gated RMSNorm, projections excluded; us): ours unfused = "
+               "three launches, fused = one kernel; fla = causal_conv1d_update + fused_recurrent_kda (gate, beta, "
+               "l2norm in kernel) + fused gated RMSNorm. Errors: one step in "
+               f"{str(DECODE_DTYPE).removeprefix('torch.')} against the fp32 reference.", "",
+               "| B | ours unfused | unfused, graph | ours fused | fused, graph | fla | fla, graph | torch ref | "
+               "fused GB/s | of copy | rel err fused / fla |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    us = lambda d, key: f"{d[key] * 1e3:.1f}" if key in d else "-"  # noqa: E731
+    for d in dec:
+        errors = " / ".join(f"{d[key]:.1e}" if key in d else "-" for key in ("step_rel_err_fused", "step_rel_err_fla"))
+        md.append(f"| {d['B']} | " + " | ".join(us(d, f"step_{name}_ms") for name in (
+            "unfused", "unfused_graph", "fused", "fused_graph", "fla", "fla_graph", "torch")) +
+            f" | {d['step_GBps']:.0f} | {100 * d['step_frac_copy']:.0f}% | {errors} |")
     text = "\n".join(md)
     open(os.path.join(out, "kda_bench.md"), "w").write(text + "\n")
     json.dump(res, open(os.path.join(out, "kda_bench.json"), "w"), indent=1)

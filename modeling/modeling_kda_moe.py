@@ -45,7 +45,7 @@ from ..compat import (
 )
 from ..configuration import KdaMoeTextConfig
 from ..kernels.conv import short_conv, short_conv_step
-from ..kernels.kda import kda_decode_step, kimi_delta_attention
+from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -574,7 +574,9 @@ class KdaMoeDeltaAttention(nn.Module):
     q, k, v = SiLU(short causal conv(W x)); the decay `g` comes from a rank-K projection plus `dt_bias`, through
     either the bounded `gate_lower_bound * sigmoid(exp(A_log) * z)` (K3) or `-exp(A_log) * softplus(z)` (Kimi
     Linear); `beta = sigmoid(b_proj(x))`. The L2 norm of q/k, the gate activation and the beta sigmoid happen inside
-    `kimi_delta_attention`, so the Triton backend fuses them. Output: `o_proj(RMSNorm(o) * sigmoid(gate))`.
+    `kimi_delta_attention`, so the Triton backend fuses them. Output: `o_proj(RMSNorm(o) * sigmoid(gate))`. A decoding
+    step (one token, no autograd) runs everything between the projections and `o_proj` as one `kda_layer_decode_step`
+    (one kernel on Triton).
 
     Cache per layer: the conv state (last `kernel - 1` inputs of q, k, v) and the recurrent state S.
     """
@@ -674,38 +676,53 @@ class KdaMoeDeltaAttention(nn.Module):
             conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
             recorded = 0
         conv_weight = self.conv1d.weight.squeeze(1)  # [3 * H * K, kernel]
-        if conv_state is not None and seq_len == 1 and not recorded:
-            qkv = short_conv_step(conv_inputs[:, 0], conv_weight, conv_state, backend=self.backend)[:, None]  # in place
-        else:
-            qkv, conv_state = short_conv(
-                conv_inputs,
-                conv_weight,
-                initial_state=conv_state,
-                output_final_state=cache is not None,
-                cu_seqlens=cu_seqlens,
-                backend=self.backend,
-            )
-        query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
-
-        kda_inputs = (query, key, value, gate_logits.view(head_shape), beta_logits, self.A_log, self.dt_bias)
         token_states = None
-        if recorded:
-            core_attn_out, token_states = self.delta_rule_with_token_states(kda_inputs, recurrent_state, recorded)
-            recurrent_state = token_states[-1]
-        elif recurrent_state is not None and seq_len == 1 and not torch.is_grad_enabled():
-            # decoding (generate() runs without autograd): one token per sequence, the cached state updated in place
-            core_attn_out = kda_decode_step(
-                *kda_inputs, recurrent_state, gate_lower_bound=self.gate_lower_bound, backend=self.backend
-            )  # [B, 1, H, V]
-        else:
-            core_attn_out, recurrent_state = kimi_delta_attention(
-                *kda_inputs,
+        if conv_state is not None and seq_len == 1 and not recorded and not torch.is_grad_enabled():
+            # decoding (generate() runs without autograd): one token per sequence; the conv, the KDA step and the gated
+            # norm in one call (one kernel on Triton), both cached states updated in place
+            output = kda_layer_decode_step(
+                conv_inputs[:, 0],
+                conv_weight,
+                conv_state,
+                gate_logits[:, 0],
+                beta_logits[:, 0],
+                self.A_log,
+                self.dt_bias,
+                recurrent_state,
+                self.output_gate(hidden_states)[:, 0],
+                self.o_norm.weight,
+                self.o_norm.variance_epsilon,
                 gate_lower_bound=self.gate_lower_bound,
-                initial_state=recurrent_state,
-                output_final_state=cache is not None,
-                cu_seqlens=cu_seqlens,
                 backend=self.backend,
-            )  # [B, T, H, V], [B, H, K, V] fp32
+            )  # [B, H * V]
+        else:
+            if conv_state is not None and seq_len == 1 and not recorded:  # one token under autograd
+                qkv = short_conv_step(conv_inputs[:, 0], conv_weight, conv_state, backend=self.backend)[:, None]
+            else:
+                qkv, conv_state = short_conv(
+                    conv_inputs,
+                    conv_weight,
+                    initial_state=conv_state,
+                    output_final_state=cache is not None,
+                    cu_seqlens=cu_seqlens,
+                    backend=self.backend,
+                )
+            query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
+
+            kda_inputs = (query, key, value, gate_logits.view(head_shape), beta_logits, self.A_log, self.dt_bias)
+            if recorded:
+                core_attn_out, token_states = self.delta_rule_with_token_states(kda_inputs, recurrent_state, recorded)
+                recurrent_state = token_states[-1]
+            else:
+                core_attn_out, recurrent_state = kimi_delta_attention(
+                    *kda_inputs,
+                    gate_lower_bound=self.gate_lower_bound,
+                    initial_state=recurrent_state,
+                    output_final_state=cache is not None,
+                    cu_seqlens=cu_seqlens,
+                    backend=self.backend,
+                )  # [B, T, H, V], [B, H, K, V] fp32
+            output = self.o_norm(core_attn_out, self.output_gate(hidden_states).view(head_shape))
         if layer_cache is not None:
             layer_cache.update_states(
                 conv_state, recurrent_state, seq_len, conv_inputs=conv_inputs, token_states=token_states
@@ -713,7 +730,6 @@ class KdaMoeDeltaAttention(nn.Module):
         elif cache is not None:  # a transformers cache built by the caller
             store_linear_attention_states(cache, self.layer_idx, conv_state, recurrent_state, seq_len)
 
-        output = self.o_norm(core_attn_out, self.output_gate(hidden_states).view(head_shape))
         return self.o_proj(output.reshape(batch_size, seq_len, self.width))
 
 

@@ -77,9 +77,32 @@ def test_kda_benchmark_without_fast_times_each_stage_and_kernel(tmp_path, monkey
     assert times and all(ms > 0 for ms in times) and times == sorted(times, reverse=True)
 
 
+def test_kda_benchmark_decode_tables_time_the_fused_layer_step(tmp_path, monkeypatch, interpreted_kda_benchmark):
+    """``decode``: the decode kernel's table, then a KDA layer's decode step: ours as three launches and fused, each
+    eager and graphed (no CUDA graph on CPU: the stand-in replays the call), the fused kernel under each launch of
+    ``fused_knobs``, the torch reference, and the fused step's error against the fp32 reference (fp32 inputs here)."""
+    bench = interpreted_kda_benchmark
+    for name, value in [("DECODE_BATCHES", [2, 1]), ("DECODE_HEADS", 2), ("DECODE_DIM", 16),
+                        ("DECODE_DTYPE", torch.float32), ("graphed", lambda fn: fn)]:
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(sys, "argv", ["kda.py", str(tmp_path), "decode"])
+    bench.main(str(tmp_path))
+
+    result = json.loads((tmp_path / "kda_bench.json").read_text())
+    assert not result["rows"] and [d["B"] for d in result["decode"]] == [2, 1]
+    for d in result["decode"]:
+        for name in ("unfused", "unfused_graph", "fused", "fused_graph", "torch"):
+            assert d[f"step_{name}_ms"] == 1.0
+        assert len(d["step_knob_ms"]) == 4 and set(d["step_knob_ms"].values()) == {1.0}
+        assert d["step_rel_err_fused"] < 1e-5 and d["step_rel_err_fused_state"] < 1e-5
+    table = (tmp_path / "kda_bench.md").read_text()
+    assert "| B | ours unfused | unfused, graph | ours fused | fused, graph |" in table
+    assert "| 1 | 1000.0 | 1000.0 | 1000.0 | 1000.0 |" in table
+
+
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
-    """The interpreter accepts code the compiler rejects: compile every chunked-KDA kernel for sm_90 (no GPU
-    needed) through benchmarks/compile_report.py, in a process without the interpreter."""
+    """The interpreter accepts code the compiler rejects: compile every KDA kernel (chunked, decode, fused layer decode)
+    for sm_90 (no GPU needed) through benchmarks/compile_report.py, in a process without the interpreter."""
     import subprocess
 
     from triton.runtime import driver
@@ -94,7 +117,7 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     rows = [line.split() for line in out.stdout.splitlines()[1:] if "#" in line]
     kernels = {row[0].split("#")[0] for row in rows}
     assert kernels == {"_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel", "_wy_grads_kernel",
-                       "_gate_grads_kernel"}, out.stdout
+                       "_gate_grads_kernel", "_decode_kernel", "_fused_decode_kernel"}, out.stdout
     for name, warps, regs, stack, shared in rows:
         assert int(shared) <= 227 * 1024, (name, shared)  # the most shared memory one H100 / H200 block can have
 

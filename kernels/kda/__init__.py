@@ -3,11 +3,14 @@
 import torch
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
+from ..conv import short_conv_step
+from ..norm import gated_rms_norm
 from .reference import chunk_kda, kda_gate, kda_step, l2norm, recurrent_kda
 from .tile_limits import fits_triton_tiles
 
 if TRITON_AVAILABLE:
     from .chunk import chunk_kda_triton
+    from .fused_decode import kda_layer_decode_step_triton
     from .recurrent import kda_decode_step_triton
 
 
@@ -132,4 +135,101 @@ def kda_decode_step(
     return o.reshape(out_shape)
 
 
-__all__ = ["kimi_delta_attention", "kda_decode_step", "chunk_kda", "recurrent_kda", "kda_step", "kda_gate", "l2norm"]
+def _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight):
+    if state.dim() != 4:
+        raise ValueError(f"state must be [B, H, K, V], got shape {tuple(state.shape)}.")
+    B, H, K, V = state.shape
+    C = 2 * H * K + H * V
+    expected = {"qkv": (qkv, (B, C)), "g": (g, (B, H * K)), "beta": (beta, (B, H)), "A_log": (A_log, (H,)),
+                "dt_bias": (dt_bias, (H * K,)), "gate": (gate, (B, H * V)), "norm_weight": (norm_weight, (V,))}
+    for name, (tensor, shape) in expected.items():
+        if tensor.shape != shape:
+            raise ValueError(
+                f"{name} must be {shape} for the state [B, H, K, V] = {(B, H, K, V)} (one token per sequence; qkv "
+                f"holds q | k | v before the conv: 2*H*K + H*V channels), got {tuple(tensor.shape)}."
+            )
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_state.shape != (B, C, conv_weight.shape[1] - 1):
+        raise ValueError(
+            f"conv_weight must be [C, W] and conv_state [B, C, W-1] with C = 2*H*K + H*V = {C} and B = {B}, got "
+            f"{tuple(conv_weight.shape)} and {tuple(conv_state.shape)}."
+        )
+
+
+def kda_layer_decode_step_unfused(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    *,
+    gate_lower_bound: float | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``kda_layer_decode_step`` as three ops (``short_conv_step``, ``kda_decode_step``, ``gated_rms_norm``), each on
+    ``backend``: on ``"torch"`` the reference the fused kernel computes, on ``"triton"`` three launches."""
+    B, H, K, V = state.shape
+    qkv = short_conv_step(qkv, conv_weight, conv_state, backend=backend)
+    q, k, v = (x.reshape(B, H, -1) for x in qkv.split([H * K, H * K, H * V], dim=-1))
+    o = kda_decode_step(q, k, v, g.reshape(B, H, K), beta, A_log, dt_bias, state, gate_lower_bound=gate_lower_bound,
+                        scale=scale, backend=backend)  # [B, H, V]
+    return gated_rms_norm(o, gate.reshape(B, H, V), norm_weight, eps, backend=backend).reshape(B, H * V)
+
+
+def kda_layer_decode_step(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    *,
+    gate_lower_bound: float | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """A KDA layer's decoding step between its projections and ``o_proj``, one token per sequence: the short conv
+    (SiLU) with its state, ``kimi_delta_attention`` at T = 1 with its state, then the gated RMSNorm. Both states are
+    updated IN PLACE (fixed addresses, only the output allocated, so a CUDA graph can capture it); the Triton backend
+    runs it as one kernel.
+
+    qkv: ``[B, 2*H*K + H*V]`` (q | k | v projections before the conv); conv_weight: ``[C, W]``; conv_state:
+    ``[B, C, W-1]``; g: ``[B, H*K]`` gate logits (dt_bias NOT added); beta: ``[B, H]`` logits; A_log ``[H]``,
+    dt_bias ``[H*K]`` fp32; state: ``[B, H, K, V]``; gate: ``[B, H*V]`` output gate logits; norm_weight: ``[V]``.
+    Returns ``[B, H*V]`` in qkv's dtype. The Triton kernel takes a contiguous fp32 state and a contiguous conv state;
+    ``"auto"`` runs any other on the reference (``kda_layer_decode_step_unfused`` on the torch backend)."""
+    _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight)
+    if gate_lower_bound is not None and not gate_lower_bound < 0:
+        raise ValueError(f"gate_lower_bound must be negative (e.g. -5.0) or None, got {gate_lower_bound}.")
+    supported = (fits_triton_tiles(*state.shape[2:]) and state.dtype == torch.float32 and state.is_contiguous()
+                 and conv_state.is_contiguous())
+    options = dict(gate_lower_bound=gate_lower_bound, scale=scale)
+    if resolve_backend(backend, qkv, conv_weight, conv_state, g, beta, state, gate, supported=supported) == "triton":
+        return kda_layer_decode_step_triton(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate,
+                                            norm_weight, eps, **options)
+    return kda_layer_decode_step_unfused(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate,
+                                         norm_weight, eps, backend="torch", **options)
+
+
+__all__ = [
+    "kimi_delta_attention",
+    "kda_decode_step",
+    "kda_layer_decode_step",
+    "kda_layer_decode_step_unfused",
+    "chunk_kda",
+    "recurrent_kda",
+    "kda_step",
+    "kda_gate",
+    "l2norm",
+]

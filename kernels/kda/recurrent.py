@@ -36,28 +36,41 @@ def decode_launch(V: int) -> DecodeLaunch:
 
 
 @triton.jit
+def head_step_inputs(bq, bk, bg, beta_logit, A_log, dt_bias, i_h, scale, lb, K: tl.constexpr, BOUNDED: tl.constexpr):
+    """One head's step inputs from its raw fp32 rows q, k, gate logits [K] and its beta logit: (scale * q / ||q||,
+    k / ||k||, the decay exp(g) [K], beta)."""
+    bq = bq * (tl.rsqrt(tl.sum(bq * bq, 0) + NORM_EPS) * scale)
+    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + NORM_EPS)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    bias = tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)
+    return bq, bk, tl.exp(_gate(bg, bias, a, lb, BOUNDED)), tl.sigmoid(beta_logit.to(tl.float32))
+
+
+@triton.jit
+def delta_step(S, bq, bk, bv, decay, bb):
+    """One token on a [K, BV] slab of a head's fp32 state: ``S <- S * decay[:, None]; S <- S + k (bb (v - S^T k))^T``.
+    Returns (S, o = S^T q [BV])."""
+    S = S * decay[:, None]
+    delta = bb * (bv - tl.sum(S * bk[:, None], 0))
+    S = S + bk[:, None] * delta[None, :]
+    return S, tl.sum(S * bq[:, None], 0)
+
+
+@triton.jit
 def _decode_kernel(q, k, v, g, beta, A_log, dt_bias, state, o, scale, lb,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_h = i_bh % H
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     ps = (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
-    S = tl.load(state + ps)
     bq = tl.load(q + i_bh * K + o_k).to(tl.float32)
     bk = tl.load(k + i_bh * K + o_k).to(tl.float32)
     bg = tl.load(g + i_bh * K + o_k).to(tl.float32)
-    bv = tl.load(v + i_bh * V + o_v).to(tl.float32)
-    bb = tl.sigmoid(tl.load(beta + i_bh).to(tl.float32))
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-    bq = bq * (tl.rsqrt(tl.sum(bq * bq, 0) + NORM_EPS) * scale)
-    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + NORM_EPS)
-    S = S * tl.exp(_gate(bg, bias, a, lb, BOUNDED))[:, None]
-    delta = bb * (bv - tl.sum(S * bk[:, None], 0))
-    S = S + bk[:, None] * delta[None, :]
+    bq, bk, decay, bb = head_step_inputs(bq, bk, bg, tl.load(beta + i_bh), A_log, dt_bias, i_bh % H, scale, lb, K,
+                                         BOUNDED)
+    S, bo = delta_step(tl.load(state + ps), bq, bk, tl.load(v + i_bh * V + o_v).to(tl.float32), decay, bb)
     tl.store(state + ps, S)
-    tl.store(o + i_bh * V + o_v, tl.sum(S * bq[:, None], 0).to(o.dtype.element_ty))
+    tl.store(o + i_bh * V + o_v, bo.to(o.dtype.element_ty))
 
 
 def launch_decode(q, k, v, g, beta, A_log, dt_bias, state, gate_lower_bound, scale, launch: DecodeLaunch):

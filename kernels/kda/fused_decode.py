@@ -1,0 +1,162 @@
+"""A KDA layer's decoding step in one launch: everything between the layer's projections and ``o_proj``.
+
+``kda_layer_decode_step_triton`` takes one token per sequence: the projected q | k | v channels before the conv
+(``[B, 2*H*K + H*V]``), the conv weight ``[C, W]`` and conv state ``[B, C, W-1]``, the gate and beta logits, A_log and
+dt_bias, the fp32 recurrent state ``[B, H, K, V]``, the output gate logits ``[B, H*V]`` and the output norm's weight
+``[V]``. It runs the conv step (SiLU), the q / k L2 norms, the gate, beta's sigmoid, the delta-rule step and the gated
+RMSNorm, and returns ``[B, H*V]`` for ``o_proj``; both states are overwritten in place (fixed addresses, only the
+output allocated, so a CUDA graph can capture it).
+
+One program per (sequence, head), looping over ``[K, BV]`` slabs of the head's state. The head cannot be split over
+programs along V as the decode kernel splits it: every slab needs the whole conv-ed, normed q and k rows, whose conv
+state rows must be shifted once, after every reader is done, and the gated RMSNorm needs the whole V row of the
+output. Splitting would take a second launch (or a grid-wide handshake); one program per head is the floor for one
+launch, which at batch 1 leaves H programs.
+
+Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
+input dtype before the norms, the attention output to the input dtype before the gated RMSNorm; fp32 math otherwise.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..backend import op_for_call, tl, triton
+from .recurrent import delta_step, head_step_inputs
+from .tile_limits import require_triton_tiles
+
+
+@dataclass(frozen=True)
+class FusedDecodeLaunch:
+    """How the fused decode kernel is launched; ``fused_decode_launch`` picks one per call."""
+
+    bv: int  # width of the [K, BV] state slabs each program walks through
+    warps: int  # warps per program
+
+
+def fused_decode_launch(K: int, V: int) -> FusedDecodeLaunch:
+    """Slabs of at most 128 x 128 state values at 64 values a thread, as the decode kernel's [128, 64] slabs at 4
+    warps hold: a whole row of a K = V = 128 head at 8 warps, so one program issues all of its state loads at once
+    (batch-1 latency). Smaller heads get fewer warps (at least 8 values a thread: no thread repeats another's)."""
+    bv = min(V, max(16, 128 * 128 // K))
+    return FusedDecodeLaunch(bv=bv, warps=max(1, min(8, K * bv // 2048)))
+
+
+@triton.jit
+def _conv_window(x, w, conv_state, i_b, o_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Channels o_c [N] of sequence i_b through the conv step: (SiLU(conv) [N] fp32, rounded to x's dtype as the
+    separate conv step stores it; the window [N, WP], cached inputs then x, in the state's dtype, for ``_shift_in``)."""
+    o_w = tl.arange(0, WP)
+    cached = tl.load(conv_state + (i_b * C + o_c).to(tl.int64)[:, None] * (W - 1) + o_w[None, :],
+                     mask=(o_w < W - 1)[None, :], other=0.0)
+    new = tl.load(x + i_b * C + o_c)
+    taps = tl.load(w + o_c[:, None] * W + o_w[None, :], mask=(o_w < W)[None, :], other=0.0).to(tl.float32)
+    last = (o_w == W - 1)[None, :]
+    y = tl.sum(tl.where(last, new.to(tl.float32)[:, None], cached.to(tl.float32)) * taps, 1)
+    y = (y * tl.sigmoid(y)).to(new.dtype).to(tl.float32)
+    return y, tl.where(last, new.to(cached.dtype)[:, None], cached)
+
+
+@triton.jit
+def _shift_in(conv_state, window, i_b, o_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Overwrite the conv state rows of channels o_c with the window's last W-1 columns."""
+    o_w = tl.arange(0, WP)
+    tl.store(conv_state + (i_b * C + o_c).to(tl.int64)[:, None] * (W - 1) + (o_w - 1)[None, :], window,
+             mask=((o_w >= 1) & (o_w < W))[None, :])
+
+
+@triton.jit
+def _fused_decode_kernel(qkv, conv_w, conv_state, g, beta, A_log, dt_bias, state, gate, norm_w, o, scale, lb, eps,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                         WP: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr):
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, K)
+    bq, q_window = _conv_window(qkv, conv_w, conv_state, i_b, i_h * K + o_k, C, W, WP)
+    bk, k_window = _conv_window(qkv, conv_w, conv_state, i_b, H * K + i_h * K + o_k, C, W, WP)
+    bq, bk, decay, bb = head_step_inputs(bq, bk, tl.load(g + i_bh * K + o_k).to(tl.float32), tl.load(beta + i_bh),
+                                         A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
+    sum_sq = tl.zeros((BV,), dtype=tl.float32)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        bv, v_window = _conv_window(qkv, conv_w, conv_state, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
+        ps = (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
+        S, bo = delta_step(tl.load(state + ps), bq, bk, bv, decay, bb)
+        bo = bo.to(o.dtype.element_ty)  # the attention output as the separate decode step returns it
+        tl.debug_barrier()  # every thread has read this slab and these conv state rows before any is overwritten
+        tl.store(state + ps, S)
+        _shift_in(conv_state, v_window, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
+        tl.store(o + i_bh * V + o_v, bo)
+        sum_sq += bo.to(tl.float32) * bo.to(tl.float32)
+    _shift_in(conv_state, q_window, i_b, i_h * K + o_k, C, W, WP)  # read before the loop's barrier
+    _shift_in(conv_state, k_window, i_b, H * K + i_h * K + o_k, C, W, WP)
+    tl.debug_barrier()  # the whole output row is stored and visible to every thread
+    r = tl.rsqrt(tl.sum(sum_sq, 0) / V + eps)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        bo = tl.load(o + i_bh * V + o_v).to(tl.float32)
+        bw = tl.load(norm_w + o_v).to(tl.float32)
+        bgate = tl.load(gate + i_bh * V + o_v).to(tl.float32)
+        normed = (bo * r * bw * tl.sigmoid(bgate)).to(o.dtype.element_ty)
+        tl.debug_barrier()  # every thread has read this slab of the raw output before any of it is overwritten
+        tl.store(o + i_bh * V + o_v, normed)
+
+
+def launch_fused_decode(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
+                        gate_lower_bound, scale, launch: FusedDecodeLaunch):
+    """The fused kernel on contiguous inputs (shapes as in ``kda_layer_decode_step_triton``); both states updated in
+    place. Returns ``[B, H*V]`` in qkv's dtype."""
+    B, H, K, V = state.shape
+    W = conv_weight.shape[1]
+    o = torch.empty(B, H * V, device=qkv.device, dtype=qkv.dtype)
+    _fused_decode_kernel[(B * H,)](
+        qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, o, scale,
+        float(gate_lower_bound) if gate_lower_bound is not None else 0.0, eps,
+        H=H, K=K, V=V, C=qkv.shape[1], W=W, WP=triton.next_power_of_2(W), BV=launch.bv,
+        BOUNDED=gate_lower_bound is not None, num_warps=launch.warps)
+    return o
+
+
+def _layer_step(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_lower_bound: Optional[float],
+                scale: float) -> torch.Tensor:
+    return launch_fused_decode(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
+                               gate_lower_bound, scale, fused_decode_launch(state.shape[2], state.shape[3]))
+
+
+kda_layer_decode_step_op = torch.library.custom_op("kda_moe::kda_layer_decode_step", _layer_step,
+                                                   mutates_args=("conv_state", "state"))
+
+
+@kda_layer_decode_step_op.register_fake
+def _(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps, gate_lower_bound, scale):
+    B, H, K, V = state.shape
+    return qkv.new_empty((B, H * V))
+
+
+def kda_layer_decode_step_triton(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
+                                 *, gate_lower_bound=None, scale=None):
+    """One decoding step of a KDA layer in one launch. qkv: ``[B, 2*H*K + H*V]`` (q | k | v before the conv);
+    conv_weight: ``[C, W]``; conv_state: ``[B, C, W-1]``; g: ``[B, H*K]`` gate logits; beta: ``[B, H]`` logits;
+    A_log ``[H]``, dt_bias ``[H*K]``; state: fp32 ``[B, H, K, V]``; gate: ``[B, H*V]`` output gate logits;
+    norm_weight: ``[V]``. Both states (contiguous) are updated in place. Returns ``[B, H*V]`` in qkv's dtype.
+    Decoding only: no backward."""
+    B, H, K, V = state.shape
+    require_triton_tiles(K, V)
+    if state.dtype != torch.float32 or not state.is_contiguous() or not conv_state.is_contiguous():
+        raise ValueError("the fused Triton KDA decode step updates a contiguous fp32 state [B, H, K, V] and a "
+                         "contiguous conv state [B, C, W-1] in place; pass contiguous states (e.g. .contiguous() once "
+                         "when the cache is built).")
+    if conv_weight.shape[1] < 2:
+        raise ValueError(f"the fused KDA decode step needs a conv kernel of width >= 2, got {conv_weight.shape[1]}.")
+    inputs = (qkv, conv_weight, g, beta, A_log, dt_bias, gate, norm_weight)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError("the fused KDA decode step has no backward: call it under torch.no_grad() (as generate() "
+                         "does), or run the layer's sequence path for training.")
+    qkv, conv_weight, g, beta, A_log, dt_bias, gate, norm_weight = (t.contiguous() for t in inputs)
+    scale = K ** -0.5 if scale is None else float(scale)
+    lb = None if gate_lower_bound is None else float(gate_lower_bound)
+    return op_for_call(kda_layer_decode_step_op, _layer_step)(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias,
+                                                              state, gate, norm_weight, float(eps), lb, scale)
