@@ -307,7 +307,17 @@ class KdaMoeAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class KdaMoeLinearAttentionCacheLayer(LinearAttentionLayer):
+class KdaMoeStateLayer(LinearAttentionLayer):
+    """What the KDA layer reads from either of our caches' KDA layers: the states it continues from."""
+
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(conv state, recurrent state) to continue from, or (None, None) before the first forward."""
+        if not self.has_previous_state[0]:
+            return None, None
+        return self.conv_states[0], self.recurrent_states[0]
+
+
+class KdaMoeLinearAttentionCacheLayer(KdaMoeStateLayer):
     """The cache of one KDA layer: conv state [B, C, W-1] and fp32 recurrent state [B, H, K, V], as the layer's
     kernels write them, and the number of tokens seen.
 
@@ -326,12 +336,6 @@ class KdaMoeLinearAttentionCacheLayer(LinearAttentionLayer):
         self.recurrent_history: list[torch.Tensor] = []  # the state before the recorded tokens, then after each
         self.conv_history: torch.Tensor | None = None  # [B, C, W-1 + recorded]: the recorded tokens' conv inputs,
         # after the W-1 before them, so the conv state after any of them is a slice
-
-    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(conv state, recurrent state) to continue from, or (None, None) before the first forward."""
-        if not self.has_previous_state[0]:
-            return None, None
-        return self.conv_states[0], self.recurrent_states[0]
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs):
         """Start recording. `recurrent_states_to_keep`: the most tokens one `crop` removes (the draft length);
@@ -452,7 +456,7 @@ def mark_static_address(tensor: torch.Tensor) -> None:
         torch._dynamo.mark_static_address(tensor)
 
 
-class KdaMoeStaticLinearAttentionCacheLayer(LinearAttentionLayer):
+class KdaMoeStaticLinearAttentionCacheLayer(KdaMoeStateLayer):
     """The cache of one KDA layer in a `KdaMoeStaticCache`: conv state [B, C, W-1], fp32 recurrent state [B, H, K, V]
     and the token count, in tensors allocated once (with the cache, or at the first forward) and from then on updated
     in place. Their addresses never change, so a compiled decode step updates them as static inputs and a CUDA graph
@@ -474,12 +478,6 @@ class KdaMoeStaticLinearAttentionCacheLayer(LinearAttentionLayer):
             mark_static_address(tensor)
         self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
         self.device, self.dtype = device, dtype
-
-    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(conv state, recurrent state) to continue from, or (None, None) before the first forward."""
-        if not self.has_previous_state[0]:
-            return None, None
-        return self.conv_states[0], self.recurrent_states[0]
 
     def tokens_to_record(self, new_tokens: int) -> int:
         return 0
@@ -1291,18 +1289,17 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 
 def check_attention_mask(
-    attention_mask: torch.Tensor | dict | None, batch_size: int, new_tokens: int, cache: Cache | None
+    attention_mask: torch.Tensor | dict | None, batch_size: int, new_tokens: int, cached: int | None
 ) -> None:
     """Refuse a 2-D `attention_mask` that is not [batch, cached + new tokens]: KDA layers read its last `new_tokens`
     entries and MLA layers its first ones, so any other length would mask the two kinds of layers differently.
 
-    4-D masks and transformers' per-layer-type mask dicts pass as they are. Counting the cached tokens may read the
-    cache on the host, so while tracing (and where the cache cannot count, a pure-KDA cache on transformers 5.17) the
-    mask only needs to cover the new tokens.
+    4-D masks and transformers' per-layer-type mask dicts pass as they are. `cached`: the tokens the cache holds (0
+    without a cache), or None where they are not counted (while tracing, or a pure-KDA cache on transformers 5.17):
+    then the mask only needs to cover the new tokens.
     """
     if attention_mask is None or isinstance(attention_mask, dict) or attention_mask.ndim == 4:
         return
-    cached = 0 if cache is None else None if is_tracing(attention_mask) else cached_token_count(cache)
     expected = f"[batch, cached + new tokens] = [{batch_size}, {'cached' if cached is None else cached} + {new_tokens}]"
     if attention_mask.ndim != 2:
         raise ValueError(f"`attention_mask` must be {expected} (or 4-D), got shape {tuple(attention_mask.shape)}.")
@@ -1316,11 +1313,10 @@ def check_attention_mask(
         )
 
 
-def check_cache_room(cache: StaticCache, new_tokens: int) -> None:
-    """Refuse new tokens that a static cache's MLA layers have no room for. It reads the cache's token count on the
-    host, so the text model runs it only outside tracing."""
+def check_cache_room(cache: StaticCache, new_tokens: int, cached: int | None) -> None:
+    """Refuse new tokens that a static cache holding `cached` tokens (None: not counted) has no room for in its MLA
+    layers."""
     room = cache.get_max_length()  # -1 without MLA layers: KDA states hold any number of tokens
-    cached = cached_token_count(cache)
     if room >= 0 and cached is not None and cached + new_tokens > room:
         raise ValueError(
             f"The cache holds {cached} tokens of at most {room} (its `max_cache_len`): no room for {new_tokens} more. "
@@ -1351,9 +1347,11 @@ def check_text_inputs(
             )
     tokens = input_ids if input_ids is not None else inputs_embeds
     batch_size, new_tokens = tokens.shape[:2]
-    check_attention_mask(attention_mask, batch_size, new_tokens, cache)
-    if isinstance(cache, StaticCache) and not is_tracing(tokens):
-        check_cache_room(cache, new_tokens)
+    # counting a static cache's tokens reads a tensor on the host: once per forward, and never while tracing
+    cached = 0 if cache is None else None if is_tracing(tokens) else cached_token_count(cache)
+    check_attention_mask(attention_mask, batch_size, new_tokens, cached)
+    if isinstance(cache, StaticCache):
+        check_cache_room(cache, new_tokens, cached)
 
 
 def packed_sequence_boundaries(position_ids: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
@@ -1431,7 +1429,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         elif cache is None:
             cache = KdaMoeCache(self.config)
 
-        has_mla = "full_attention" in self.config.layer_types  # only MLA layers count the tokens they have seen
+        has_mla = "full_attention" in self.config.layer_types  # position ids are read by MLA layers only
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None and has_mla else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens

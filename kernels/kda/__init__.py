@@ -14,9 +14,13 @@ if TRITON_AVAILABLE:
     from .recurrent import kda_decode_step_triton
 
 
-def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound):
+def _check_gate_lower_bound(gate_lower_bound):
     if gate_lower_bound is not None and not gate_lower_bound < 0:
         raise ValueError(f"gate_lower_bound must be negative (e.g. -5.0) or None, got {gate_lower_bound}.")
+
+
+def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate_lower_bound):
+    _check_gate_lower_bound(gate_lower_bound)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}.")
     B, T, H, K = q.shape
@@ -210,8 +214,7 @@ def kda_layer_decode_step(
     Returns ``[B, H*V]`` in qkv's dtype. The Triton kernel takes a contiguous fp32 state and a contiguous conv state;
     ``"auto"`` runs any other on the reference (``kda_layer_decode_step_unfused`` on the torch backend)."""
     _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight)
-    if gate_lower_bound is not None and not gate_lower_bound < 0:
-        raise ValueError(f"gate_lower_bound must be negative (e.g. -5.0) or None, got {gate_lower_bound}.")
+    _check_gate_lower_bound(gate_lower_bound)
     supported = (fits_triton_tiles(*state.shape[2:]) and state.dtype == torch.float32 and state.is_contiguous()
                  and conv_state.is_contiguous())
     options = dict(gate_lower_bound=gate_lower_bound, scale=scale)
