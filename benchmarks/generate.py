@@ -17,11 +17,11 @@ cache) over the copy bandwidth measured in the same run. Also the peak memory of
 The models are benchmarks/model.py's: its anchor config (822M parameters, 6 KDA + 2 MLA layers, 64 experts top-8,
 bf16), saved by transformers and loaded by ours. A step's time is the median interval between consecutive generated
 tokens (a stopping criterion that never stops reads the clock after each token, once the device is done), so the
-prefill, the first decode steps' compilation and autotuning, and generate()'s setup are not in it. Prompts longer
-than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks (generate()'s ``prefill_chunk_size``, see
-``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of N tokens), on every side alike: unchunked
-they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md
-and OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
+prefill and generate()'s setup are not in it; each case runs its generate() twice and times the second, so neither
+is compilation or autotuning. Prompts longer than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks
+(generate()'s ``prefill_chunk_size``, see ``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of
+N tokens), on every side alike: unchunked they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md and
+OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
 records its error), and prints the table last.
 """
 
@@ -157,22 +157,25 @@ def prefill_chunk_size(batch, prompt):
 
 
 def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
-    """One generate() of ``new_tokens`` tokens, its prompt prefilled in chunks of ``prefill_chunk`` tokens (default:
-    ``prefill_chunk_size``): (timings and peak memory, the generated tokens [B, new_tokens])."""
-    if model_bench.dev == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    """Two identical generate() calls of ``new_tokens`` tokens, their prompt prefilled in chunks of ``prefill_chunk``
+    tokens (default: ``prefill_chunk_size``), the second timed, so that neither side's one-time kernel compilation and
+    autotuning for the row's shapes lands in the figures: (timings and peak memory, the generated tokens
+    [B, new_tokens])."""
     batch, prompt = input_ids.shape
     chunk = prefill_chunk or prefill_chunk_size(batch, prompt)
-    if case == "static":  # `compiled` below tells whether this generate() compiled (transformers keeps the call)
+    if case == "static":  # `compiled` below tells whether the first generate() compiled (transformers keeps the call)
         model.__dict__.pop("_compiled_call", None)
-    clock = StepClock()
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            prefill_chunk_size=chunk, stopping_criteria=StoppingCriteriaList([clock]), **GENERATE_OPTIONS[case],
-        )
+    for timed_call in (False, True):
+        if model_bench.dev == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        clock = StepClock()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                prefill_chunk_size=chunk, stopping_criteria=StoppingCriteriaList([clock]), **GENERATE_OPTIONS[case],
+            )
     seconds = time.perf_counter() - start
     step = clock.step_seconds()
     result = dict(ms_per_step=step * 1e3, tok_s=batch / step, prefill_s=clock.times[0] - start, generate_s=seconds,

@@ -109,7 +109,8 @@ def test_a_left_padding_token_leaves_both_states_unchanged(lb, dtype, monkeypatc
 
 def test_state_slabs_narrower_than_v_give_the_same_step():
     """A program walks its head's state in [K, BV] slabs: heads above 128 x 128 take several (K = V = 256 does), and
-    the output row is normed after the last. Slabs of 16 on V = 64 match one slab of 64."""
+    the output row is normed after the last. Slabs of 16 on V = 64 match one slab of 64 (bit for bit in the
+    interpreter; on a GPU a slab's tile shape may reorder the fp32 sums over K, a few ulps)."""
     assert fused_decode.fused_decode_launch(256, 256).bv < 256
     x = step_inputs(2, 2, 16, 64, torch.float32)
     outputs, states = [], []
@@ -121,7 +122,7 @@ def test_state_slabs_narrower_than_v_give_the_same_step():
         outputs.append(fused_decode.launch_fused_decode(*args, 1e-5, -5.0, 0.25, launch))
         states.append((y["state"], y["conv_state"]))
     assert rel(outputs[1], outputs[0]) < 1e-5
-    assert torch.equal(states[1][0], states[0][0]) and torch.equal(states[1][1], states[0][1])
+    assert rel(states[1][0], states[0][0]) < 1e-6 and torch.equal(states[1][1], states[0][1])
 
 
 def test_unfused_step_on_triton_matches_the_fused_kernel():

@@ -202,12 +202,13 @@ def test_generate_compiles_the_decode_step_with_fullgraph_by_default(model):
 
 
 def test_static_decode_through_the_triton_kernels_compiles_to_our_custom_ops():
-    """With the Triton backend (here in the interpreter) the compiled step holds our decode kernels as custom ops
-    (their states updated in place, no chunked kernel) and gives the tokens of eager dynamic decoding."""
+    """With the Triton backend (on a GPU, or in the interpreter) the compiled step holds our decode kernels as custom
+    ops (their states updated in place, no chunked kernel) and gives the tokens of eager dynamic decoding."""
     from torch._dynamo.backends.common import aot_autograd
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(seed=0, kernel_backend="triton", linear_head_dim=16, num_hidden_layers=3,
-                       layer_types=["linear_attention", "linear_attention", "full_attention"])
+                       layer_types=["linear_attention", "linear_attention", "full_attention"]).to(device)
     graph_ops = []
 
     def record(gm, example_inputs):  # an in-place op shows as auto_functionalized(op, ...)
@@ -215,7 +216,7 @@ def test_static_decode_through_the_triton_kernels_compiles_to_our_custom_ops():
         graph_ops.append({str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls})
         return gm
 
-    input_ids, attention_mask = prompts(2)
+    input_ids, attention_mask = (t.to(device) for t in prompts(2))
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model.generate(input_ids, attention_mask=attention_mask, **GREEDY)
