@@ -12,8 +12,7 @@ here, before the parent `__post_init__`, so both versions see config objects.
 
 The published Kimi K3 `config.json` (`model_type: kimi_k3`) loads as it is: `KdaMoeConfig._from_kimi_linear_keys`
 turns its spelling (a Kimi Linear `text_config`, a MoonViT `vision_config` in the `vt_*` spelling of Kimi K2.5
-that also carries the projector settings, `media_placeholder_token_id`) into ours, and `to_kimi_k3_dict` writes
-it back.
+that also carries the projector settings, `media_placeholder_token_id`) into ours.
 """
 
 from huggingface_hub.dataclasses import strict, validated_field
@@ -161,6 +160,10 @@ class KdaMoeConfig(PreTrainedConfig):
         projector_hidden_act: `"gelu"`.
         projector_rms_norm_eps: eps of the projector's final RMSNorm.
         tie_word_embeddings (`bool`, *optional*): tie `lm_head` to the input embeddings; default = the text config's.
+        routed_expert_quantization (`dict`, *optional*): the compressed-tensors `quantization_config` of a K3
+            checkpoint whose routed experts are stored mxfp4; they are dequantized while loading (see
+            `kda_moe.modeling.conversion.DequantizeMxfp4`). Kept under this name so transformers' own quantizer,
+            which expects the experts as `nn.Linear` modules, stays out of the way.
 
     Example:
 
@@ -183,6 +186,7 @@ class KdaMoeConfig(PreTrainedConfig):
     projector_hidden_act: str = validated_field(one_of(PROJECTOR_HIDDEN_ACTS), default="gelu")
     projector_rms_norm_eps: float | int = validated_field(positive, default=1e-5)
     tie_word_embeddings: bool | None = None
+    routed_expert_quantization: dict | None = None
 
     def __post_init__(self, **kwargs):
         warn_about_misspelled_keys(self, kwargs)
@@ -217,13 +221,16 @@ class KdaMoeConfig(PreTrainedConfig):
         `media_placeholder_token_id` -> `image_token_id`; the `vision_config` in MoonViT's spelling (`vt_*`,
         `init_pos_emb_*`, `merge_kernel_size`) -> `KdaMoeVisionConfig` fields, and the projector settings it carries
         (`projector_hidden_act`, `projector_ln_eps`) -> ours; its video keys are dropped (this model reads images
-        only). The `text_config` keeps the Kimi Linear spelling, which `KdaMoeTextConfig` reads itself.
+        only); `quantization_config` (mxfp4 routed experts) -> `routed_expert_quantization`. The `text_config` keeps
+        the Kimi Linear spelling, which `KdaMoeTextConfig` reads itself.
         """
         if kwargs.get("model_type") != KIMI_K3_MODEL_TYPE:
             return kwargs
         kwargs = dict(kwargs)
         del kwargs["model_type"]
         kwargs.pop("auto_map", None)  # points at Kimi's remote code, not at ours
+        if "quantization_config" in kwargs:
+            kwargs.setdefault("routed_expert_quantization", kwargs.pop("quantization_config"))
         if "media_placeholder_token_id" in kwargs:
             kwargs.setdefault("image_token_id", kwargs.pop("media_placeholder_token_id"))
         vision = kwargs.get("vision_config")
@@ -253,24 +260,6 @@ class KdaMoeConfig(PreTrainedConfig):
                 raise _invalid(f"vision_config.{key}", value, f"must equal {source}={expected}")
         kwargs["vision_config"] = vision
         return kwargs
-
-    def to_kimi_k3_dict(self) -> dict:
-        """This config in the published Kimi K3 spelling (the reverse of `_from_kimi_linear_keys`)."""
-        config = self.to_dict()
-        vision_fields = {field: key for key, field in MOONVIT_VISION_KEYS.items()}
-        vision = {vision_fields.get(key, key): value for key, value in config.pop("vision_config").items()}
-        vision.pop("model_type", None)
-        merge = vision.pop("spatial_merge_size")
-        vision["merge_kernel_size"] = [merge, merge]
-        vision["mm_hidden_size"] = self.vision_config.hidden_size
-        vision["text_hidden_size"] = self.text_config.hidden_size
-        for key, field in MOONVIT_PROJECTOR_KEYS.items():
-            vision[key] = config.pop(field)
-        config["vision_config"] = vision
-        config["text_config"] = self.text_config.to_kimi_linear_dict()
-        config["media_placeholder_token_id"] = config.pop("image_token_id")
-        config["model_type"] = KIMI_K3_MODEL_TYPE
-        return config
 
     @property
     def merged_hidden_size(self) -> int:

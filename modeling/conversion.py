@@ -14,7 +14,8 @@ registered at import for our text, vision and multimodal `model_type`s (one tabl
   (`experts.{j}.w1/w3/w2` = gate / up / down);
 - the published Kimi K3 layout (`moonshotai/Kimi-K3`, `model_type: kimi_k3`): the Kimi Linear names under
   `language_model.model.` / `language_model.lm_head.`, plus the K3 parts below, the vision tower under
-  `vision_tower.` and the projector under `mm_projector.`; routed experts may be stored mxfp4 (see `mxfp4.py`).
+  `vision_tower.` and the projector under `mm_projector.`; routed experts may be stored mxfp4 by compressed-tensors (see
+  `DequantizeMxfp4`).
 
 Text decoder, published name -> ours (per layer unless said):
 
@@ -50,10 +51,9 @@ The config side is `KdaMoeTextConfig._from_kimi_linear_keys` (Kimi Linear keys) 
 `KdaMoeConfig._from_kimi_linear_keys` (K3 keys).
 
 Saving: `save_pretrained` (with transformers' default `save_original_format=True`) undoes the conversions a model
-was loaded with, so a model loaded from a published layout writes that layout back, and one loaded from ours (or
-built in memory: `KdaMoePreTrainedModel._weight_conversions` is empty) writes ours; `save_pretrained(...,
-layout="kimi_linear" | "kimi_k3")` picks the layout (see `conversions_for_layout`). `save_original_format=False`
-always writes ours. A few converters (`A_log`, the patch embedding) keep their key, so a checkpoint of ours also
+was loaded with, so a model loaded from a published layout writes that layout's weight names back (its config.json
+stays ours), and one loaded from ours (or built in memory: `KdaMoePreTrainedModel._weight_conversions` is empty)
+writes ours. `save_original_format=False` always writes ours. A few converters (`A_log`, the patch embedding) keep their key, so a checkpoint of ours also
 goes through them; their reverse reads the layout being written from the model (`checkpoint_layout`).
 """
 
@@ -69,7 +69,6 @@ from transformers.core_model_loading import (
 
 from ..configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
 
-LAYOUTS = ("kda_moe", "kimi_linear", "kimi_k3")
 # K3 stores `A_log` zero-padded to a multiple of this many heads (96 real heads in 128 slots).
 K3_HEAD_PAD = 128
 
@@ -85,11 +84,8 @@ class KeepsKey(ConversionOps):
 
 
 def checkpoint_layout(model) -> str:
-    """The layout `save_pretrained` writes for `model`: the one `save_pretrained(layout=...)` asked for, else the one
-    the model was loaded from (ours for a model built in memory)."""
-    layout = getattr(model, "_checkpoint_layout", None)
-    if layout is not None:
-        return layout
+    """The layout `save_pretrained` writes for `model`: the one the model was loaded from (ours for a model built in
+    memory)."""
     used = [
         conversion
         for conversion in getattr(model, "_weight_conversions", None) or ()
@@ -217,6 +213,61 @@ class MoonViTQkvToOurs(ConversionOps):
         return MoonViTQkvToOurs(inverse=not self.inverse)
 
 
+class DequantizeMxfp4(ConversionOps):
+    """Routed experts stored mxfp4 by compressed-tensors -> dense weights, one per expert, before they are merged.
+
+    Format `mxfp4-pack-quantized`: `weight_packed` `[out, in / 2]` uint8 (two E2M1 values a byte) and `weight_scale`
+    `[out, in / 32]` uint8 (one E8M0 power of two per 32 weights). The values are decoded by compressed-tensors' own
+    compressor for that format, with the scheme of the config group whose targets name the experts.
+
+    Why not transformers' compressed-tensors quantizer: with a checkpoint's own settings it prepares the model with
+    `apply_quantization_config` / `compress_model`, which give packed parameters to the `nn.Linear` modules its
+    targets match; our routed experts are fused `[E, 2I, l]` / `[E, l, I]` parameters of one module, so the packed
+    tensors would have nowhere to land. The config keeps the checkpoint's `quantization_config` as
+    `routed_expert_quantization`, where transformers does not look, and the expert converters dequantize here.
+    """
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, model=None, full_layer_name=None, **kwargs):
+        compressor, scheme = mxfp4_codec(getattr(config, "routed_expert_quantization", None))
+        dtype = model.get_parameter(full_layer_name).dtype  # the loader keeps a converter's output dtype
+        dequantized = {}
+        for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
+            # The loader casts every checkpoint tensor to the parameter's float dtype; bytes are integers < 256, which
+            # fp32 / bf16 / fp16 hold exactly, so the cast back is lossless.
+            dequantized[packed_pattern] = [
+                compressor.decompress({"weight_packed": packed.to(torch.uint8), "weight_scale": scale.to(torch.uint8)}, scheme)["weight"].to(dtype)
+                for packed, scale in zip(input_dict[packed_pattern], input_dict[scale_pattern])
+            ]  # fmt: skip
+        return dequantized
+
+
+def mxfp4_codec(quantization: dict | None):
+    """(compressed-tensors compressor, scheme) of the routed experts for a checkpoint's `quantization_config`."""
+    if quantization is None:
+        raise ValueError(
+            "The checkpoint stores routed experts packed (`weight_packed` / `weight_scale`) but its config.json has no "
+            "`quantization_config`; the config does not belong to these weights."
+        )
+    try:
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as error:
+        raise ImportError(
+            "This checkpoint stores its routed experts mxfp4 (compressed-tensors); `pip install kda-moe[k3]` (or "
+            "`pip install compressed-tensors`) to load it."
+        ) from error
+    config = QuantizationConfig.model_validate(quantization)
+    schemes = [group for group in config.config_groups.values() if any("experts" in target for target in group.targets)]
+    if len(schemes) != 1:
+        raise ValueError(
+            "Expected exactly one compressed-tensors config group whose targets name the routed experts, got "
+            f"{[group.targets for group in config.config_groups.values()]}."
+        )
+    (scheme,) = schemes
+    return BaseCompressor.get_value_from_registry(scheme.format or config.format), scheme
+
+
 def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
     """The text decoder's transforms, in transformers' order: every matching renaming applies, then at most one
     converter. Kimi Linear's come first, then K3's (`is_k3_only`).
@@ -238,6 +289,8 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
             target_patterns="self_attn.conv1d.weight",
             operations=[Concatenate(dim=0)],
         ),
+        # mxfp4 first: converters are tried in order, and on transformers 5.17 `w1.weight` also matches `w1.weight_packed`
+        *mxfp4_expert_converters(),
         WeightConverter(
             source_patterns=[r"\.experts.*.w1.weight", r"\.experts.*.w3.weight"],
             target_patterns=r"\.experts\.gate_up_proj",
@@ -249,6 +302,38 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
             operations=[MergeModulelist(dim=0)],
         ),
         WeightConverter(source_patterns="A_log", target_patterns="A_log", operations=[HeadsFromPublished()]),
+    ]
+
+
+class DequantizingConverter(WeightConverter):
+    """A converter whose first op dequantizes: saving reverses the dense converter it stands for, so a model loaded
+    from mxfp4 experts writes them unquantized under the dense names (`experts.j.w1.weight`, ...)."""
+
+    __slots__ = ()
+
+    def reverse_transform(self) -> WeightConverter:
+        dense = WeightConverter(
+            source_patterns=[p.removesuffix("_packed") for p in self._original_source_patterns if p.endswith("_packed")],
+            target_patterns=self._original_target_patterns,
+            operations=self.operations[1:],
+        )
+        dense.scope_prefix, dense.base_model_prefix = self.scope_prefix, self.base_model_prefix
+        return dense.reverse_transform()
+
+
+def mxfp4_expert_converters() -> list[WeightConverter]:
+    """K3's routed experts stored mxfp4: dequantized per expert (`DequantizeMxfp4`), then merged as dense ones are."""
+    return [
+        DequantizingConverter(
+            source_patterns=[rf"\.experts.*.{w}.weight_{part}" for w in ("w1", "w3") for part in ("packed", "scale")],
+            target_patterns=r"\.experts\.gate_up_proj",
+            operations=[DequantizeMxfp4(), MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        DequantizingConverter(
+            source_patterns=[r"\.experts.*.w2.weight_packed", r"\.experts.*.w2.weight_scale"],
+            target_patterns=r"\.experts\.down_proj",
+            operations=[DequantizeMxfp4(), MergeModulelist(dim=0)],
+        ),
     ]
 
 
@@ -295,7 +380,7 @@ def kimi_k3_conversions() -> list[WeightRenaming]:
 # Source patterns of the transforms only the K3 layout uses (Kimi Linear's text layout uses the others).
 K3_ONLY_SOURCES = frozenset(
     pattern
-    for conversions in (kimi_k3_conversions(), moonvit_conversions(), kimi_linear_conversions()[3:7])
+    for conversions in (kimi_k3_conversions(), moonvit_conversions(), kimi_linear_conversions()[3:7], mxfp4_expert_converters())
     for conversion in conversions
     for pattern in conversion._original_source_patterns
 )
@@ -303,22 +388,6 @@ K3_ONLY_SOURCES = frozenset(
 
 def is_k3_only(conversion) -> bool:
     return conversion._original_source_patterns[0] in K3_ONLY_SOURCES
-
-
-def conversions_for_layout(model, layout: str) -> list[WeightRenaming | WeightConverter]:
-    """The transforms a checkpoint of `layout` goes through when `model` loads it, so reversed they write `layout`:
-    every registered transform of the model's sub-models, minus those of other layouts (the in-memory
-    `forget_gate` renaming of transformers' model; for `"kimi_linear"`, K3's)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
-    if layout == "kda_moe":
-        return []
-    forget_gate = kimi_linear_conversions()[0]._original_source_patterns[0]
-    return [
-        conversion
-        for conversion in get_model_conversion_mapping(model, add_legacy=False)
-        if conversion._original_source_patterns[0] != forget_gate and (layout == "kimi_k3" or not is_k3_only(conversion))
-    ]
 
 
 # Looked up by class name first, then by `config.model_type`: a Kimi Linear folder says `model_type: kimi_linear`, but
@@ -330,7 +399,6 @@ register_checkpoint_conversion_mapping(KdaMoeConfig.model_type, kimi_k3_conversi
 
 __all__ = [
     "checkpoint_layout",
-    "conversions_for_layout",
     "kimi_k3_conversions",
     "kimi_linear_conversions",
     "moonvit_conversions",

@@ -276,3 +276,145 @@ def test_moonvit_rotary_layout_is_converted_to_ours():
     cos, sin = KdaMoeVisionRotaryEmbedding(config)([grid], torch.device("cpu"))
     ours = apply_2d_rotary_pos_emb(head[:, moonvit_index(head_dim)][None, None], cos, sin)[0, 0]
     torch.testing.assert_close(ours, moonvit[:, moonvit_index(head_dim)])
+
+
+# ----- mxfp4 routed experts, packed by compressed-tensors itself
+
+
+def mxfp4_scheme():
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("MXFP4A16", [r"re:.*block_sparse_moe\.experts\..*"])
+    scheme.format = "mxfp4-pack-quantized"
+    return scheme
+
+
+def mxfp4_quantization_config() -> dict:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(
+        config_groups={"group_0": mxfp4_scheme()}, format="mxfp4-pack-quantized", quantization_status="compressed"
+    )
+    return config.model_dump(mode="json")
+
+
+def pack_experts_mxfp4(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(K3 state dict with every `experts.j.w*.weight` packed by compressed-tensors' quantizer, {name: its group
+    scale per weight}) ."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    scheme = mxfp4_scheme()
+    compressor = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
+    packed, scales = {}, {}
+    for name, tensor in state.items():
+        if not re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+            packed[name] = tensor
+            continue
+        groups = tensor.view(tensor.shape[0], -1, 32)
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        compressed = compressor.compress({"weight": tensor, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
+        packed[name + "_packed"] = compressed["weight_packed"]
+        packed[name + "_scale"] = compressed["weight_scale"]
+        scales[name] = scale.repeat_interleave(32, dim=-1)
+    return packed, scales
+
+
+def dequantized_reference(model, packed_state) -> KdaMoeForConditionalGeneration:
+    """A copy of `model` whose routed experts are compressed-tensors' own decoding of the packed weights."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
+    reference = randomized_model(model.config)
+    reference.load_state_dict(model.state_dict())
+
+    def decoded(name):
+        weights = {"weight_packed": packed_state[name + "_packed"], "weight_scale": packed_state[name + "_scale"]}
+        return compressor.decompress(weights, mxfp4_scheme())["weight"].float()
+
+    with torch.no_grad():
+        for index, layer in enumerate(reference.model.language_model.layers):
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            prefix = f"language_model.model.layers.{index}.block_sparse_moe.experts"
+            for j in range(experts.gate_up_proj.shape[0]):
+                w1, w2, w3 = (decoded(f"{prefix}.{j}.{w}.weight") for w in ("w1", "w2", "w3"))
+                experts.gate_up_proj[j] = torch.cat([w1, w3])
+                experts.down_proj[j] = w2
+    return reference
+
+
+def test_mxfp4_experts_load_within_mxfp4_rounding_and_match_the_dequantized_model(k3_model, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    model, _ = k3_model
+    state = k3_state_dict(model)
+    packed_state, group_scales = pack_experts_mxfp4(state)
+    folder = tmp_path / "k3_mxfp4"
+    folder.mkdir()
+    write_k3_folder(folder, packed_state, {**K3_CONFIG, "quantization_config": mxfp4_quantization_config()})
+
+    loaded, info = AutoModelForImageTextToText.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+    # Bound, element by element: MXFP4 scales each group of 32 by s = 2**(floor(log2(max|w|)) - 2) (max|w| rounded
+    # to a power of two first), so |w| / s < 8. E2M1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6: spacing <= 2 below 6, so
+    # rounding moves a weight by <= s, and clipping (6, 8) to 6 by < 2s. Decoded values (E2M1 times a power of two)
+    # are exact in bf16 and fp32.
+    loaded_state = loaded.state_dict()
+    for index, layer in enumerate(model.model.language_model.layers):
+        if getattr(layer.mlp, "experts", None) is None:
+            continue
+        prefix = f"language_model.model.layers.{index}.block_sparse_moe.experts"
+        ours = f"model.language_model.layers.{index}.mlp.experts"
+        for j in range(layer.mlp.experts.gate_up_proj.shape[0]):
+            gate_up, down = loaded_state[f"{ours}.gate_up_proj"][j], loaded_state[f"{ours}.down_proj"][j]
+            for w, value in (("w1", gate_up.chunk(2)[0]), ("w3", gate_up.chunk(2)[1]), ("w2", down)):
+                name = f"{prefix}.{j}.{w}.weight"
+                error = (value - state[name]).abs()
+                assert (error <= 2 * group_scales[name]).all(), name
+            assert gate_up.dtype == torch.float32  # the model's dtype, as the dense checkpoint gives
+            assert not torch.equal(gate_up, model.state_dict()[f"{ours}.gate_up_proj"][j])  # really quantized
+
+    reference = dequantized_reference(model, packed_state)
+    inputs = model_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(**inputs).logits, reference.eval()(**inputs).logits, rtol=0, atol=0)
+
+
+def test_k3_layout_saves_back_to_the_same_tensors(k3_model, tmp_path):
+    """K3 layout -> ours -> K3 layout is bit-exact (the unused layer-0 AttnRes pair is not kept)."""
+    from safetensors.torch import load_file
+
+    model, folder = k3_model
+    written = k3_state_dict(model)
+    AutoModelForImageTextToText.from_pretrained(folder).save_pretrained(tmp_path / "saved")
+    saved = {}
+    for file in (tmp_path / "saved").glob("*.safetensors"):
+        saved.update(load_file(str(file)))
+    unused = {f"language_model.model.layers.0.self_attention_res_{part}.weight" for part in ("norm", "proj")}
+    assert set(saved) == set(written) - unused
+    for name, tensor in saved.items():
+        assert tensor.dtype == written[name].dtype and torch.equal(tensor, written[name]), name
+
+
+def test_mxfp4_experts_save_back_dequantized_under_the_dense_names(k3_model, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    model, _ = k3_model
+    packed_state, _ = pack_experts_mxfp4(k3_state_dict(model))
+    folder = tmp_path / "k3_mxfp4"
+    folder.mkdir()
+    write_k3_folder(folder, packed_state, {**K3_CONFIG, "quantization_config": mxfp4_quantization_config()})
+    loaded = AutoModelForImageTextToText.from_pretrained(folder)
+    loaded.save_pretrained(tmp_path / "saved")
+    from safetensors import safe_open
+
+    names = set()
+    for file in (tmp_path / "saved").glob("*.safetensors"):
+        with safe_open(str(file), "pt") as handle:
+            names.update(handle.keys())
+    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+    assert not any("weight_packed" in name or "weight_scale" in name for name in names)
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "saved")
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
