@@ -13,9 +13,11 @@ from transformers import (
 )
 
 # transformers 5.17 exports a torchvision-only placeholder as `transformers.AutoImageProcessor`; the class itself works.
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from .configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
+from .configuration.configuration_kda_moe_vision import KIMI_K3_MODEL_TYPE
 from .modeling import (
     KdaMoeCache,
     KdaMoeForCausalLM,
@@ -37,6 +39,9 @@ AutoModel.register(KdaMoeTextConfig, KdaMoeTextModel, exist_ok=True)
 AutoModelForCausalLM.register(KdaMoeTextConfig, KdaMoeForCausalLM, exist_ok=True)
 AutoConfig.register(KdaMoeVisionConfig.model_type, KdaMoeVisionConfig, exist_ok=True)
 AutoConfig.register(KdaMoeConfig.model_type, KdaMoeConfig, exist_ok=True)
+# The published Kimi K3 folder (`model_type: kimi_k3`) loads into our multimodal model; `AutoConfig.register` insists on
+# the class's own `model_type`, so the alias goes into the mapping itself.
+CONFIG_MAPPING.register(KIMI_K3_MODEL_TYPE, KdaMoeConfig, exist_ok=True)
 AutoModel.register(KdaMoeVisionConfig, KdaMoeVisionModel, exist_ok=True)
 AutoModel.register(KdaMoeConfig, KdaMoeModel, exist_ok=True)
 AutoModelForImageTextToText.register(KdaMoeConfig, KdaMoeForConditionalGeneration, exist_ok=True)

@@ -9,6 +9,10 @@ own rule whenever it is set, rules that relate fields in `validate()` (construct
 (`KdaMoeTextConfig`) and `vision_config` (`KdaMoeVisionConfig`). transformers 5.17 reads the class attribute
 `sub_configs`, 5.20+ `sub_configs_defaults`: both are declared, and the sub-configs are built from dicts / `None`
 here, before the parent `__post_init__`, so both versions see config objects.
+
+The published Kimi K3 `config.json` (`model_type: kimi_k3`) loads as it is: `KdaMoeConfig._from_kimi_linear_keys`
+turns its spelling (a Kimi Linear `text_config`, a MoonViT `vision_config` in the `vt_*` spelling of Kimi K2.5
+that also carries the projector settings, `media_placeholder_token_id`) into ours.
 """
 
 from huggingface_hub.dataclasses import strict, validated_field
@@ -30,6 +34,22 @@ VISION_HIDDEN_ACTS = ("gelu_pytorch_tanh",)
 PROJECTOR_HIDDEN_ACTS = ("gelu",)
 # Id of `<|media_pad|>` in the tokenizer shipped in `kda_moe/processing/tokenizer/` (special tokens come first).
 BUNDLED_IMAGE_TOKEN_ID = 6
+
+KIMI_K3_MODEL_TYPE = "kimi_k3"
+# `vision_config` keys of the Kimi K3 / K2.5 `config.json` -> `KdaMoeVisionConfig` fields.
+MOONVIT_VISION_KEYS = {
+    "vt_hidden_size": "hidden_size",
+    "vt_intermediate_size": "intermediate_size",
+    "vt_num_hidden_layers": "num_hidden_layers",
+    "vt_num_attention_heads": "num_attention_heads",
+    "init_pos_emb_height": "pos_emb_height",
+    "init_pos_emb_width": "pos_emb_width",
+    "patch_size": "patch_size",
+}
+# Projector settings the published `vision_config` carries -> `KdaMoeConfig` fields.
+MOONVIT_PROJECTOR_KEYS = {"projector_hidden_act": "projector_hidden_act", "projector_ln_eps": "projector_rms_norm_eps"}
+# Published `vision_config` keys about video input (frames merged over time), which this model does not read.
+MOONVIT_VIDEO_KEYS = ("init_pos_emb_time", "pos_emb_type", "video_attn_type", "merge_type", "mm_projector_type")
 
 
 @finish_strict_config
@@ -140,6 +160,10 @@ class KdaMoeConfig(PreTrainedConfig):
         projector_hidden_act: `"gelu"`.
         projector_rms_norm_eps: eps of the projector's final RMSNorm.
         tie_word_embeddings (`bool`, *optional*): tie `lm_head` to the input embeddings; default = the text config's.
+        routed_expert_quantization (`dict`, *optional*): the compressed-tensors `quantization_config` of a K3
+            checkpoint whose routed experts are stored mxfp4; they are dequantized while loading (see
+            `kda_moe.modeling.conversion.DequantizeMxfp4`). Kept under this name so transformers' own quantizer,
+            which expects the experts as `nn.Linear` modules, stays out of the way.
 
     Example:
 
@@ -162,6 +186,7 @@ class KdaMoeConfig(PreTrainedConfig):
     projector_hidden_act: str = validated_field(one_of(PROJECTOR_HIDDEN_ACTS), default="gelu")
     projector_rms_norm_eps: float | int = validated_field(positive, default=1e-5)
     tie_word_embeddings: bool | None = None
+    routed_expert_quantization: dict | None = None
 
     def __post_init__(self, **kwargs):
         warn_about_misspelled_keys(self, kwargs)
@@ -171,8 +196,10 @@ class KdaMoeConfig(PreTrainedConfig):
                 value = config_class()
             elif isinstance(value, dict):
                 value = dict(value)
-                model_type = value.pop("model_type", config_class.model_type)
-                if model_type != config_class.model_type:
+                model_type = value.get("model_type", config_class.model_type)
+                if model_type == config_class.model_type:
+                    value.pop("model_type", None)
+                elif key != "text_config" or model_type != "kimi_linear":  # the text config reads Kimi Linear's
                     raise _invalid(
                         f"{key}.model_type", model_type, f"a kda-moe `{key}` has model_type {config_class.model_type!r}"
                     )
@@ -185,6 +212,54 @@ class KdaMoeConfig(PreTrainedConfig):
         if self.projector_hidden_size is None:
             self.projector_hidden_size = self.merged_hidden_size
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def _from_kimi_linear_keys(cls, kwargs: dict) -> dict:
+        """Turn the keyword arguments of a published Kimi K3 `config.json` (`model_type: kimi_k3`) into ours; other
+        keyword arguments pass unchanged. Called on the raw kwargs of every `__init__`.
+
+        `media_placeholder_token_id` -> `image_token_id`; the `vision_config` in MoonViT's spelling (`vt_*`,
+        `init_pos_emb_*`, `merge_kernel_size`) -> `KdaMoeVisionConfig` fields, and the projector settings it carries
+        (`projector_hidden_act`, `projector_ln_eps`) -> ours; its video keys are dropped (this model reads images
+        only); `quantization_config` (mxfp4 routed experts) -> `routed_expert_quantization`. The `text_config` keeps
+        the Kimi Linear spelling, which `KdaMoeTextConfig` reads itself.
+        """
+        if kwargs.get("model_type") != KIMI_K3_MODEL_TYPE:
+            return kwargs
+        kwargs = dict(kwargs)
+        del kwargs["model_type"]
+        kwargs.pop("auto_map", None)  # points at Kimi's remote code, not at ours
+        if "quantization_config" in kwargs:
+            kwargs.setdefault("routed_expert_quantization", kwargs.pop("quantization_config"))
+        if "media_placeholder_token_id" in kwargs:
+            kwargs.setdefault("image_token_id", kwargs.pop("media_placeholder_token_id"))
+        vision = kwargs.get("vision_config")
+        if not isinstance(vision, dict):
+            return kwargs
+        vision = {MOONVIT_VISION_KEYS.get(key, key): value for key, value in vision.items()}
+        for key in (*MOONVIT_VIDEO_KEYS, "model_type", "_attn_implementation"):
+            vision.pop(key, None)
+        for key, field in MOONVIT_PROJECTOR_KEYS.items():
+            if key in vision:
+                kwargs.setdefault(field, vision.pop(key))
+        merge = vision.pop("merge_kernel_size", None)
+        if merge is not None:
+            if len(set(merge)) != 1:
+                raise _invalid("vision_config.merge_kernel_size", merge, "the patch merger takes square windows, e.g. [2, 2]")
+            vision["spatial_merge_size"] = merge[0]
+        text = kwargs.get("text_config")
+        widths = {
+            "mm_hidden_size": (vision.pop("mm_hidden_size", None), vision.get("hidden_size"), "vt_hidden_size"),
+            "text_hidden_size": (
+                vision.pop("text_hidden_size", None), text.get("hidden_size") if isinstance(text, dict) else None,
+                "text_config.hidden_size",
+            ),
+        }  # fmt: skip
+        for key, (value, expected, source) in widths.items():
+            if value is not None and expected is not None and value != expected:
+                raise _invalid(f"vision_config.{key}", value, f"must equal {source}={expected}")
+        kwargs["vision_config"] = vision
+        return kwargs
 
     @property
     def merged_hidden_size(self) -> int:

@@ -1146,6 +1146,8 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     # The checkpoint conversions `save_pretrained` undoes: `from_pretrained` sets those it applied; a model built in
     # memory has none, so it saves our layout (see `conversion.py`).
     _weight_conversions = ()
+    # The K3 checkpoint stores an AttnRes pseudo-query for layer 0, whose input is the embedding alone (no mix).
+    _keys_to_ignore_on_load_unexpected = [r"layers\.0\.attn_res\."]
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """generate()'s default cache is a `KdaMoeCache` (transformers would build a `DynamicCache`); for assisted
