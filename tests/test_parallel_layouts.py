@@ -17,6 +17,7 @@ one optimizer step, the second step's loss equals the single-process one.
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,18 @@ def test_second_step_after_an_optimizer_step_matches_one_process(runs, layout):
     ranks, reference = runs
     for run in ranks:
         torch.testing.assert_close(run[layout]["loss1"], reference["loss1"], rtol=1e-5, atol=0)
+
+
+def test_accelerate_fsdp2_config_shards_every_decoder_layer():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from kda_moe import KdaMoeForCausalLM
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "accelerate_fsdp2.yaml"
+    config = load_config_from_file(str(path))
+    fsdp = config.fsdp_config
+    assert config.distributed_type == "FSDP" and fsdp["fsdp_version"] == 2
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] in KdaMoeForCausalLM._no_split_modules
+    assert fsdp["fsdp_activation_checkpointing"] and fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+    assert config.mixed_precision == "bf16"
