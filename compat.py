@@ -70,16 +70,33 @@ def finish_strict_config(cls):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Expert-parallel plan style names: `ep_router` + `moe_tp_experts` up to 5.18, `ep_dispatch_experts` from 5.19
-# (which ships `transformers.distributed.expert_parallel`).
+# Expert plans. From 5.19 (which ships `transformers.distributed.expert_parallel`) experts are never tensor-parallel:
+# the EP plan gives every rank whole experts (`grouped_gemm`) and `ep_dispatch_experts` brings them their tokens. Up to
+# 5.18 tensor parallelism splits every expert's width (`packed_colwise` / `rowwise` + `moe_tp_experts`, which sums the
+# partial outputs), and the EP plan gives every rank whole experts, `ep_router` masking the routes to other ranks'.
 # ---------------------------------------------------------------------------------------------------------------
 
 try:
     import transformers.distributed.expert_parallel  # noqa: F401
 
-    EXPERT_PARALLEL_STYLES = {"router": None, "experts": "ep_dispatch_experts"}
+    EXPERTS_TP_PLAN = {}
+    EXPERTS_EP_PLAN = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
 except ImportError:
-    EXPERT_PARALLEL_STYLES = {"router": "ep_router", "experts": "moe_tp_experts"}
+    EXPERTS_TP_PLAN = {
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    EXPERTS_EP_PLAN = {
+        "layers.*.mlp.gate": "ep_router",
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import logging
 
-from ..compat import CACHE_NAME, EXPERT_PARALLEL_STYLES, ConfigValidationError, finish_strict_config
+from ..compat import CACHE_NAME, EXPERTS_EP_PLAN, EXPERTS_TP_PLAN, ConfigValidationError, finish_strict_config
 from ..kernels.backend import BACKENDS as KERNEL_BACKENDS
 from ..kernels.kda.tile_limits import SAFE_LOWER_BOUND
 
@@ -206,28 +206,41 @@ class KdaMoeTextConfig(PreTrainedConfig):
 
     model_type = "kda_moe_text"
     keys_to_ignore_at_inference = [CACHE_NAME]  # the output field Trainer must not gather
+    # Tensor parallelism: every projection whose output is per head is column-sharded (a rank keeps whole heads),
+    # the KDA conv and per-head parameters follow (`kda_qkv_conv`, `kda_heads`: see `distributed/tensor_parallel.py`),
+    # o_proj is row-sharded with an all-reduce; low-rank inputs (f_a, g_a, q_a, kv_a) stay replicated.
     base_model_tp_plan = {
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": EXPERT_PARALLEL_STYLES["experts"],
+        # KDA
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.conv1d": "kda_qkv_conv",
+        "layers.*.self_attn.f_b_proj": "colwise",
+        "layers.*.self_attn.b_proj": "colwise",
+        "layers.*.self_attn.g_b_proj": "colwise",
+        "layers.*.self_attn": "kda_heads",
+        "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",
+        # MLA (q_proj, g_proj and o_proj are shared with KDA's names)
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.g_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        # dense MLP and shared experts
         "layers.*.mlp.shared_experts.gate_proj": "colwise",
         "layers.*.mlp.shared_experts.up_proj": "colwise",
         "layers.*.mlp.shared_experts.down_proj": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
+        **EXPERTS_TP_PLAN,
     }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attn_res_blocks", "attention_mask"], ["hidden_states", "attn_res_blocks"]),
         "norm": (["hidden_states"], ["hidden_states"]),
     }
-    base_model_ep_plan = {
-        **({"layers.*.mlp.gate": EXPERT_PARALLEL_STYLES["router"]} if EXPERT_PARALLEL_STYLES["router"] else {}),
-        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-        "layers.*.mlp.experts.down_proj": "grouped_gemm",
-        "layers.*.mlp.experts": EXPERT_PARALLEL_STYLES["experts"],
-    }
+    base_model_ep_plan = EXPERTS_EP_PLAN
     attribute_map = {
         # spellings of the published Kimi Linear / Kimi K3 configs and of transformers' `kimi_linear`
         "num_experts_per_token": "num_experts_per_tok",

@@ -44,6 +44,7 @@ from ..compat import (
     store_linear_attention_states,
 )
 from ..configuration import KdaMoeTextConfig
+from ..distributed.tensor_parallel import data_parallel_group_of_mesh
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
 from ..kernels.norm import gated_rms_norm
@@ -243,12 +244,12 @@ class KdaMoeAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len = hidden_states.shape[:2]
-        heads = self.num_heads
 
         if self.q_lora_rank is None:
             query = self.q_proj(hidden_states)
         else:
             query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        heads = query.shape[-1] // self.qk_head_dim  # this rank's heads under tensor parallelism, else all of them
         query = query.view(batch_size, seq_len, heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, nope + rope]
         q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
@@ -587,7 +588,6 @@ class KdaMoeDeltaAttention(nn.Module):
         self.gate_lower_bound = config.gate_lower_bound
         self.backend = config.kernel_backend
         hidden, width = config.hidden_size, self.num_heads * self.head_dim
-        self.width = width
 
         self.q_proj = nn.Linear(hidden, width, bias=False)
         self.k_proj = nn.Linear(hidden, width, bias=False)
@@ -632,7 +632,8 @@ class KdaMoeDeltaAttention(nn.Module):
             )
             outputs.append(output)
         if state is None:
-            state = per_token[0].new_zeros(batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
+            heads = per_token[0].shape[2]
+            state = per_token[0].new_zeros(batch_size, heads, self.head_dim, self.head_dim, dtype=torch.float)
         states = [state]
         for t in range(first, seq_len):
             state = state.clone(memory_format=torch.contiguous_format)  # the decode kernels update it in place
@@ -649,7 +650,6 @@ class KdaMoeDeltaAttention(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         batch_size, seq_len = hidden_states.shape[:2]
-        head_shape = (batch_size, seq_len, self.num_heads, self.head_dim)
 
         gate_logits = self.f_b_proj(self.f_a_proj(hidden_states))
         beta_logits = self.b_proj(hidden_states)
@@ -664,6 +664,9 @@ class KdaMoeDeltaAttention(nn.Module):
         conv_inputs = torch.cat(
             [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
         )
+        # Under tensor parallelism every per-head tensor holds this rank's heads only: widths come from the tensors.
+        width = conv_inputs.shape[-1] // 3
+        head_shape = (batch_size, seq_len, width // self.head_dim, self.head_dim)
         # our caches' layers hand out and take the states directly; a transformers cache goes through its API
         layer_cache = cache.layers[self.layer_idx] if isinstance(cache, (KdaMoeCache, KdaMoeStaticCache)) else None
         if layer_cache is not None:
@@ -705,7 +708,7 @@ class KdaMoeDeltaAttention(nn.Module):
                     cu_seqlens=cu_seqlens,
                     backend=self.backend,
                 )
-            query, key, value = (x.reshape(head_shape) for x in qkv.split(self.width, dim=-1))
+            query, key, value = (x.reshape(head_shape) for x in qkv.split(width, dim=-1))
 
             kda_inputs = (query, key, value, gate_logits.view(head_shape), beta_logits, self.A_log, self.dt_bias)
             if recorded:
@@ -728,7 +731,7 @@ class KdaMoeDeltaAttention(nn.Module):
         elif cache is not None:  # a transformers cache built by the caller
             store_linear_attention_states(cache, self.layer_idx, conv_state, recurrent_state, seq_len)
 
-        return self.o_proj(output.reshape(batch_size, seq_len, self.width))
+        return self.o_proj(output.reshape(batch_size, seq_len, width))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -764,12 +767,17 @@ def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 QUANTILE_STEP = 0.7
 
 
-def data_parallel_group() -> "torch.distributed.ProcessGroup | None":
-    """The process group whose ranks must agree on the expert biases (the default one), or None on one process."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            return torch.distributed.group.WORLD
-    return None
+# `KdaMoeRouter.balancing_group` until `set_balancing_group` names one: every rank holds its own batch (DDP, FSDP)
+DEFAULT_GROUP = "default"
+
+
+def data_parallel_group(group=DEFAULT_GROUP) -> "torch.distributed.ProcessGroup | None":
+    """The process group whose ranks hold different tokens and must agree on the expert biases, or None where there is
+    nothing to pool (one process, or `group` is None or has one rank). `DEFAULT_GROUP`: the default group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or group is None:
+        return None
+    group = torch.distributed.group.WORLD if isinstance(group, str) else group
+    return group if torch.distributed.get_world_size(group) > 1 else None
 
 
 def pooled_sum(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -862,6 +870,7 @@ class KdaMoeRouter(nn.Module):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward, for logging
         self._pending_bias: torch.Tensor | None = None
+        self.balancing_group = DEFAULT_GROUP  # the ranks whose statistics balancing pools (`set_balancing_group`)
 
     def select_experts(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
         """Top-k over `scores + bias`, restricted to the best `topk_group` of `n_group` expert groups."""
@@ -891,7 +900,7 @@ class KdaMoeRouter(nn.Module):
 
     @torch.no_grad()
     def _stage_bias_update(self, scores: torch.Tensor, router_logits: torch.Tensor) -> None:
-        group = data_parallel_group()
+        group = data_parallel_group(self.balancing_group)
         if self.balancing == "quantile":
             new_bias = quantile_balancing_bias(
                 scores,
@@ -960,7 +969,9 @@ class KdaMoeExperts(nn.Module):
             return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            expert_hit = expert_loads(top_k_index, self.num_experts).nonzero().flatten().tolist()
+            # Under expert parallelism `num_experts` counts this rank's experts, and the routes to other ranks' experts
+            # carry the id `num_experts` (weight 0): they get a counter of their own, which is never visited.
+            expert_hit = expert_loads(top_k_index, self.num_experts + 1)[:-1].nonzero().flatten().tolist()
         for expert_idx in expert_hit:
             token_idx, top_k_pos = torch.where(top_k_index == expert_idx)
             gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
@@ -1250,6 +1261,25 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         and so is a card someone wrote on the Hub (see `model_cards.write_pushed_model_card`)."""
         write_pushed_model_card(self, working_dir, repo_id)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *args, **kwargs):
+        """transformers' tensor / expert / FSDP layout of `from_pretrained(..., distributed_config=...)` (or
+        `tp_plan=`), after which expert balancing pools its statistics over the mesh's data-parallel ranks only: the
+        ranks of one tensor-parallel group route the same tokens, and pooling over them would count each token once
+        per rank."""
+        model = super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+        if getattr(model, "_device_mesh", None) is not None:
+            model.set_balancing_group(data_parallel_group_of_mesh(model))
+        return model
+
+    def set_balancing_group(self, group) -> None:
+        """Make every router pool its balancing statistics (Quantile Balancing's margin histograms, `"bias_sign"`'s
+        loads) over `group`: the process group of the ranks that hold different tokens, None for none (one process,
+        or every rank routes the same tokens). Without a call the default group is used, as plain DDP / FSDP need."""
+        for module in self.modules():
+            if isinstance(module, KdaMoeRouter):
+                module.balancing_group = group
 
     def router_load_statistics(self) -> dict[str, dict[str, float]]:
         """Per MoE layer load statistics of the last forward (max/mean tokens per expert, dead experts)."""
