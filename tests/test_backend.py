@@ -114,10 +114,25 @@ def test_a_kernel_module_that_fails_to_import_raises_instead_of_falling_back():
     assert out.returncode != 0 and "kda_moe.kernels.kda.chunk" in out.stderr, (out.stdout, out.stderr[-3000:])
 
 
+def _shipped_packages() -> list[str]:
+    """pyproject.toml's ``packages``, as folders relative to the repository root ("" for the root)."""
+    import tomllib
+
+    packages = tomllib.loads((PACKAGE_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    return [name.removeprefix("kda_moe").lstrip(".").replace(".", "/") for name in packages]
+
+
 def _package_sources():
-    """The files the package ships: the root's modules and its subpackages' (pyproject.toml's ``packages``)."""
-    subpackages = ("configuration", "modeling", "processing", "kernels", "model_cards")
-    return list(PACKAGE_ROOT.glob("*.py")) + [p for name in subpackages for p in (PACKAGE_ROOT / name).rglob("*.py")]
+    """The files the package ships: the modules of every package pyproject.toml lists."""
+    return [path for folder in _shipped_packages() for path in (PACKAGE_ROOT / folder).glob("*.py")]
+
+
+def test_every_source_folder_of_the_package_is_shipped():
+    """A folder of modules left out of pyproject.toml's ``packages`` imports from a checkout but not from a wheel."""
+    outside = {"tests", "benchmarks", "examples"}
+    folders = {path.parent.relative_to(PACKAGE_ROOT).as_posix() for path in PACKAGE_ROOT.rglob("*.py")}
+    folders = {f for f in folders if f.split("/")[0] not in outside and not f.startswith((".", "build"))}
+    assert sorted(folders - {f or "." for f in _shipped_packages()} - {"."}) == []
 
 
 def test_triton_is_imported_only_by_the_backend_inside_a_try():
