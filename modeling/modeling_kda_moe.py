@@ -240,13 +240,14 @@ class KdaMoeAttention(nn.Module):
         self, seq_len: int, latent: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
     ) -> bool:
         """Whether the absorbed attention runs as `mla_decode_attention`'s Triton kernel (each latent cache tile read
-        once for a block of heads): when the kernel backend resolves to Triton for the cache, without autograd, for up
-        to `MLA_DECODE_MAX_TOKENS` new tokens, without attention dropout and no attention weights to return. Several
-        new tokens also need a mask: transformers passes none of them only to a static cache's first forward, meaning
-        SDPA's causal alignment from the cache's start, whereas the kernel aligns the new tokens with the cache's end."""
+        once for a block of heads): when the kernel backend resolves to Triton for the cache, for up to
+        `MLA_DECODE_MAX_TOKENS` new tokens, without autograd, attention dropout or attention weights to return.
+        Several new tokens also need a mask: transformers passes them none only on a static cache's first forward,
+        meaning SDPA's causal alignment with the cache's start, whereas the kernel aligns them with the cache's end."""
         if seq_len > MLA_DECODE_MAX_TOKENS or (attention_mask is None and seq_len > 1) or torch.is_grad_enabled():
             return False
-        if (self.training and self.attention_dropout > 0) or kwargs.get("output_attentions", self.config.output_attentions):
+        dropout = self.training and self.attention_dropout > 0
+        if dropout or kwargs.get("output_attentions", self.config.output_attentions):
             return False
         return mla_decode_backend(self.config.kernel_backend, latent) == "triton"
 

@@ -65,7 +65,8 @@ def mla_decode_attention(
 
     q_latent: ``[B, H, T, L]`` (the non-rotary query with ``W_UK`` folded in); q_rope: ``[B, H, T, R]``; latent:
     ``[B, 1, S, L]``; k_rope: ``[B, 1, S, R]``; attention_mask: None or 4-D, broadcastable to ``[B, H, T, S]``.
-    Returns ``[B, T, H, L]`` in the cache's dtype (apply ``W_UV`` next); fp32 accumulation. A query that sees no position gets zeros. Decoding only: the kernel has no backward."""
+    Returns ``[B, T, H, L]`` in the cache's dtype (apply ``W_UV`` next); fp32 accumulation. A query that sees no
+    position gets zeros. Decoding only: the kernel has no backward."""
     _check_inputs(q_latent, q_rope, latent, k_rope, attention_mask)
     if mla_decode_backend(backend, latent, q_latent, q_rope, k_rope, attention_mask) == "triton":
         return mla_decode_attention_triton(q_latent, q_rope, latent, k_rope, attention_mask, scale=scale)

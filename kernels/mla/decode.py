@@ -39,7 +39,8 @@ class MlaDecodeLaunch:
     stages: int  # software-pipeline depth of the tile loads
 
 
-def mla_decode_launch(batch: int, rows: int, S: int, L: int, dtype: torch.dtype, multiprocessors: int) -> MlaDecodeLaunch:
+def mla_decode_launch(batch: int, rows: int, S: int, L: int, dtype: torch.dtype,
+                      multiprocessors: int) -> MlaDecodeLaunch:
     """16-bit inputs: blocks of up to 32 query rows, so the ``[block_m, L]`` fp32 accumulator stays at 64 values a
     thread (8 warps at L = 512: 210 registers, no spill on sm_90; 64 rows spill, and more blocks only re-read a tile
     from L2), and 32-position tiles (36 KB of latent + rope at L = 512, R = 64, double-buffered). fp32 operands take
@@ -65,12 +66,12 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 @triton.jit
-def _split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
-                  sq_b, sq_h, sq_t, sqr_b, sqr_h, sqr_t, sl_b, sl_s, skr_b, skr_s, sm_b, sm_h, sm_t, sm_s,
-                  S, n_splits, split_len, scale,
-                  H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, R: tl.constexpr, DL: tl.constexpr,
-                  DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  PREC: tl.constexpr):
+def _mla_split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
+                      sq_b, sq_h, sq_t, sqr_b, sqr_h, sqr_t, sl_b, sl_s, skr_b, skr_s, sm_b, sm_h, sm_t, sm_s,
+                      S, n_splits, split_len, scale,
+                      H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, R: tl.constexpr, DL: tl.constexpr,
+                      DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+                      WRITE_LSE: tl.constexpr, PREC: tl.constexpr):
     """One block of query rows of sequence i_b over split i_split of its cache. MASK: 0 none, 1 bool (as uint8),
     2 float (added to the scores). Writes rows of o ``[B, n_splits, T*H, L]`` (normalised) and, with WRITE_LSE, of lse
     ``[B, n_splits, T*H]`` (-inf where a row saw nothing)."""
@@ -123,7 +124,7 @@ def _split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
 
 
 @triton.jit
-def _combine_kernel(part_o, part_lse, o, n_splits, ROWS: tl.constexpr, L: tl.constexpr, DL: tl.constexpr):
+def _mla_combine_kernel(part_o, part_lse, o, n_splits, ROWS: tl.constexpr, L: tl.constexpr, DL: tl.constexpr):
     """Row i_r of sequence i_b: the splits' partial outputs weighted by their share of the softmax sum."""
     i_r, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_l = tl.arange(0, DL)
@@ -158,7 +159,7 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
     if attention_mask is not None:
         mask = attention_mask.expand(B, H, T, S)
         mask, kind = (mask.view(torch.uint8), 1) if mask.dtype == torch.bool else (mask, 2)
-    _split_kernel[(triton.cdiv(rows, launch.block_m), n_splits, B)](
+    _mla_split_kernel[(triton.cdiv(rows, launch.block_m), n_splits, B)](
         q_latent, q_rope, latent, k_rope, mask, part_o, part_lse,
         q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_rope.stride(0), q_rope.stride(1),
         q_rope.stride(2), latent.stride(0), latent.stride(2), k_rope.stride(0), k_rope.stride(2),
@@ -168,7 +169,7 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
         BM=launch.block_m, BN=launch.block_n, MASK=kind, WRITE_LSE=n_splits > 1,
         PREC="ieee" if latent.dtype == torch.float32 else "tf32", num_warps=launch.warps, num_stages=launch.stages)
     if n_splits > 1:
-        _combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L,
+        _mla_combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L,
                                    DL=max(16, triton.next_power_of_2(L)), num_warps=4)
     return out
 
