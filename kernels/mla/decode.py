@@ -42,11 +42,12 @@ class MlaDecodeLaunch:
 def mla_decode_launch(batch: int, rows: int, S: int, L: int, dtype: torch.dtype,
                       multiprocessors: int) -> MlaDecodeLaunch:
     """16-bit inputs: blocks of up to 32 query rows, so the ``[block_m, L]`` fp32 accumulator stays at 64 values a
-    thread (8 warps at L = 512: 210 registers, no spill on sm_90; 64 rows spill, and more blocks only re-read a tile
-    from L2), and 32-position tiles (36 KB of latent + rope at L = 512, R = 64, double-buffered). fp32 operands take
-    twice the registers: 16 x 16 tiles at 8 warps, single-buffered (at L = 512 still ~3 KB of spill a thread: fp32
-    decoding is for exact checks, not for speed). The cache is split so that one wave of programs covers the
-    multiprocessors, every split at least ``MIN_TILES_PER_SPLIT`` tiles long. Not yet timed on a GPU."""
+    thread (8 warps at L = 512: 210 registers and no spill for sm_90 in Triton 3.9's compile report; 64 rows spill,
+    and more blocks only re-read a tile from L2), and 32-position tiles (36 KB of latent + rope at L = 512, R = 64,
+    double-buffered). fp32 operands take twice the registers: 16 x 16 tiles at 8 warps, single-buffered (at L = 512
+    still ~3 KB of spill a thread: fp32 decoding is for exact checks, not for speed). The cache is split so that one
+    wave of programs covers the multiprocessors, every split at least ``MIN_TILES_PER_SPLIT`` tiles long. Not yet
+    timed on a GPU."""
     wide = dtype.itemsize <= 2
     block_m = min(32 if wide else 16, max(16, triton.next_power_of_2(rows)))
     block_n = 32 if wide else 16
@@ -170,7 +171,7 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
         PREC="ieee" if latent.dtype == torch.float32 else "tf32", num_warps=launch.warps, num_stages=launch.stages)
     if n_splits > 1:
         _mla_combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L,
-                                   DL=max(16, triton.next_power_of_2(L)), num_warps=4)
+                                       DL=max(16, triton.next_power_of_2(L)), num_warps=4)
     return out
 
 
