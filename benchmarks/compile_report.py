@@ -1,9 +1,10 @@
-"""Compile every KDA kernel for an H100 / H200 (sm_90) on a machine without a GPU and print what the compiler
-reports: registers, spill stack and shared memory per kernel (the chunked forward and backward, the decode step and the
-fused layer decode step). Device time is scarce; spills, shared-memory
-overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
+"""Compile every KDA kernel and the MLA decode attention for an H100 / H200 (sm_90) on a machine without a GPU and
+print what the compiler reports: registers, spill stack and shared memory per kernel (the chunked forward and
+backward, the decode step, the fused layer decode step, and the MLA decode's split and combine kernels). Device time is
+scarce; spills, shared-memory overflows and compile errors (the interpreter accepts code the compiler rejects) show up
+here for free.
 
-    [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [forward json] [backward json]
+    [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
 
 The json objects replace fields of the launches the kernels pick (``chunk_fwd.ForwardLaunch``, applied to the forward
 and to the backward's recompute, and ``chunk_bwd.BackwardLaunch``; its ``gate_prec`` is passed to
@@ -12,9 +13,11 @@ and to the backward's recompute, and ``chunk_bwd.BackwardLaunch``; its ``gate_pr
 to match the GPU machine's compiler, put that version first (``pip install --target /tmp/t36 triton==3.6.0``, then
 ``PYTHONPATH=/tmp/t36``). The launch code runs for real on CPU tensors of shape KDA_SHAPE (default 1,256,2,128;
 both gates, forward and backward, and one decoding step of B sequences through each decode kernel, with the launches
-``decode_launch`` / ``fused_decode_launch`` pick); a stand-in driver names sm_90 as the target and every launch
-compiles its kernel without running it, so the outputs are garbage and only the compiled kernels matter. Uses the
-cuobjdump that ships in the Triton wheel.
+``decode_launch`` / ``fused_decode_launch`` pick), and the MLA decode attention on MLA_SHAPE (default 1,64,1,4096: B
+sequences, H heads, T new tokens, S cache positions of DeepSeek-V3's latent dims L = 512, R = 64; with and without a
+bool mask, the launch ``mla_decode_launch`` picks for 132 multiprocessors); a stand-in driver names sm_90 as the
+target and every launch compiles its kernel without running it, so the outputs are garbage and only the compiled
+kernels matter. Uses the cuobjdump that ships in the Triton wheel.
 """
 
 import dataclasses
@@ -48,8 +51,8 @@ class _Sm90Driver:
 
 
 def compile_all(dtype, forward_fields, backward_fields):
-    """Run the forward and backward launch code and both decode steps for both gates; return {kernel name: [compiled
-    kernels]}."""
+    """Run the forward and backward launch code and both decode steps for both gates, then the MLA decode attention;
+    return {kernel name: [compiled kernels]}."""
     driver.set_active(_Sm90Driver())
     compiled = {}
     launch = JITFunction.run
@@ -85,9 +88,22 @@ def compile_all(dtype, forward_fields, backward_fields):
             fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, step[3].flatten(1), step[4], A_log, dt_bias,
                                              state, gate, torch.ones(K, dtype=dtype), 1e-5, lb, K ** -0.5,
                                              fused_decode.fused_decode_launch(K, K))
+        compile_mla_decode(dtype)
     finally:
         JITFunction.run = launch
     return compiled
+
+
+def compile_mla_decode(dtype):
+    """The MLA decode attention's kernels on MLA_SHAPE, unmasked and with a bool mask (a static cache's decode step)."""
+    from kda_moe.kernels.mla import decode
+
+    B, H, T, S = (int(n) for n in os.environ.get("MLA_SHAPE", "1,64,1,4096").split(","))
+    L, R = 512, 64
+    inputs = [torch.randn(*shape, dtype=dtype) for shape in [(B, H, T, L), (B, H, T, R), (B, 1, S, L), (B, 1, S, R)]]
+    launch = decode.mla_decode_launch(B, H * T, S, L, dtype, multiprocessors=132)
+    for mask in (None, torch.ones(B, 1, T, S, dtype=torch.bool)):
+        decode.launch_mla_decode(*inputs, mask, (L + R) ** -0.5, launch)
 
 
 def main():

@@ -47,6 +47,7 @@ from ..configuration import KdaMoeTextConfig
 from ..distributed.tensor_parallel import data_parallel_group_of_mesh
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
+from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -202,7 +203,8 @@ class KdaMoeAttention(nn.Module):
 
     Prefill expands the latent into per-head keys and values. Decoding (a cache that already holds tokens) uses
     the absorbed form: `W_UK` is folded into the query and `W_UV` into the output, so attention runs as one-head
-    MQA straight over the latent cache and a step never materialises per-head keys.
+    MQA straight over the latent cache and a step never materialises per-head keys. On the Triton backend a decoding
+    step's attention is one kernel (`mla_decode_attention`) that reads each cache tile once for a block of heads.
     With `mla_use_output_gate`, the per-head output is multiplied by `sigmoid(g_proj(x))` before `o_proj`.
     """
 
@@ -234,6 +236,21 @@ class KdaMoeAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.g_proj = nn.Linear(hidden, heads * self.v_head_dim, bias=False) if config.mla_use_output_gate else None
         self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
+
+    def decodes_with_kernel(
+        self, seq_len: int, latent: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
+    ) -> bool:
+        """Whether the absorbed attention runs as `mla_decode_attention`'s Triton kernel (each latent cache tile read
+        once for a block of heads): when the kernel backend resolves to Triton for the cache, for up to
+        `MLA_DECODE_MAX_TOKENS` new tokens, without autograd, attention dropout or attention weights to return.
+        Several new tokens also need a mask: transformers passes them none only on a static cache's first forward,
+        meaning SDPA's causal alignment with the cache's start, whereas the kernel aligns them with the cache's end."""
+        if seq_len > MLA_DECODE_MAX_TOKENS or (attention_mask is None and seq_len > 1) or torch.is_grad_enabled():
+            return False
+        dropout = self.training and self.attention_dropout > 0
+        if dropout or kwargs.get("output_attentions", self.config.output_attentions):
+            return False
+        return mla_decode_backend(self.config.kernel_backend, latent) == "triton"
 
     def forward(
         self,
@@ -272,28 +289,34 @@ class KdaMoeAttention(nn.Module):
             w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.kv_lora_rank).split(
                 [self.qk_nope_head_dim, self.v_head_dim], dim=1
             )  # [H, nope, kv_lora], [H, v, kv_lora]
-            query = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # [B, H, T, kv_lora + rope]
-            key = torch.cat([latent, k_rope], dim=-1).expand(batch_size, heads, kv_len, -1)
-            value = latent.expand(batch_size, heads, kv_len, self.kv_lora_rank)
-        else:
-            kv = self.kv_b_proj(latent.squeeze(1)).view(batch_size, kv_len, heads, -1).transpose(1, 2)
-            k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, S, nope], [B, H, S, v]
-            query = torch.cat([q_nope, q_rope], dim=-1)
-            key = torch.cat([k_nope, k_rope.expand(batch_size, heads, kv_len, -1)], dim=-1)
+            q_nope = torch.matmul(q_nope, w_uk)  # [B, H, T, kv_lora]: the query against the latent
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
+        if absorbed and self.decodes_with_kernel(seq_len, latent, attention_mask, kwargs):
+            attn_output = mla_decode_attention(
+                q_nope, q_rope, latent, k_rope, attention_mask, scale=self.scaling, backend="triton"
+            )  # [B, T, H, kv_lora]
+            attn_weights = None
+        else:
+            if absorbed:
+                key = torch.cat([latent, k_rope], dim=-1).expand(batch_size, heads, kv_len, -1)
+                value = latent.expand(batch_size, heads, kv_len, self.kv_lora_rank)
+            else:
+                kv = self.kv_b_proj(latent.squeeze(1)).view(batch_size, kv_len, heads, -1).transpose(1, 2)
+                k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, S, nope | v]
+                key = torch.cat([k_nope, k_rope.expand(batch_size, heads, kv_len, -1)], dim=-1)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                torch.cat([q_nope, q_rope], dim=-1),
+                key,
+                value,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
         if absorbed:
             attn_output = torch.matmul(attn_output.transpose(1, 2), w_uv.mT).transpose(1, 2)  # [B, T, H, v]
         if self.g_proj is not None:
