@@ -97,8 +97,8 @@ def _expert_of_slot(top_k_index, slot, N, E, K: tl.constexpr, KP: tl.constexpr, 
 
 @triton.jit
 def _moe_up_kernel(x, top_k_index, gate_up, act, N, E, gate_cap, up_cap, K: tl.constexpr, KP: tl.constexpr,
-               L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
-               SITU: tl.constexpr, UP_CAP: tl.constexpr):
+                   L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
+                   SITU: tl.constexpr, UP_CAP: tl.constexpr):
     slot = tl.program_id(0)
     e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
     if owner:
@@ -124,7 +124,7 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, N, E, gate_cap, up_cap, K: tl.c
 
 @triton.jit
 def _moe_down_kernel(act, top_k_index, top_k_weights, down, out, N, E, K: tl.constexpr, KP: tl.constexpr,
-                 L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
+                     L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
     slot = tl.program_id(0)
     e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
     o_t = tl.arange(0, ROWS)
