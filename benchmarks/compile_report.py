@@ -1,8 +1,8 @@
 """Compile every KDA kernel and the MoE decode kernels for an H100 / H200 (sm_90) on a machine without a GPU and print
 what the compiler reports: registers, spill stack and shared memory per kernel (the chunked forward and backward, the
-decode step, the fused layer decode step, and the MoE decode's up and down kernels at 1 and 64 tokens of the anchor
-config's experts: 64 experts, top-8, width 512, intermediate 256). Device time is scarce; spills, shared-memory
-overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
+decode step, the fused layer decode step, and the MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of
+the anchor config's experts: 64 experts, top-8, width 1024, intermediate 512). Device time is scarce; spills,
+shared-memory overflows and compile errors (the interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] python benchmarks/compile_report.py [bf16|fp32] [forward json] [backward json]
 
@@ -87,12 +87,13 @@ def compile_all(dtype, forward_fields, backward_fields):
             fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, step[3].flatten(1), step[4], A_log, dt_bias,
                                              state, gate, torch.ones(K, dtype=dtype), 1e-5, lb, K ** -0.5,
                                              fused_decode.fused_decode_launch(K, K))
-        E, top_k, L, I = 64, 8, 512, 256
+        E, top_k, L, I = 64, 8, 1024, 512
         gate_up, down = torch.zeros(E, 2 * I, L, dtype=dtype), torch.zeros(E, L, I, dtype=dtype)
         for tokens in (1, moe_decode.MAX_DECODE_TOKENS):
             index = torch.zeros(tokens, top_k, dtype=torch.long)
-            moe_decode.launch_moe_decode(torch.zeros(tokens, L, dtype=dtype), index, torch.zeros(tokens, top_k), gate_up,
-                                         down, "situ", 4.0, 25.0, moe_decode.moe_decode_launch(tokens, L, I))
+            hidden, weights = torch.zeros(tokens, L, dtype=dtype), torch.zeros(tokens, top_k)
+            moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, "situ", 4.0, 25.0,
+                                         moe_decode.moe_decode_launch(tokens, L, I))
     finally:
         JITFunction.run = launch
     return compiled

@@ -3,9 +3,9 @@ implementations on the same weights, with the copy bandwidth measured in the sam
 
     python benchmarks/moe_decode.py OUTDIR [shapes=anchor,k3] [tokens=1,8,32,64] [tune]      (kda_moe importable)
 
-Shapes (bf16): ``anchor`` = the anchor config's experts (64 experts, top-8, width 512, intermediate 256); ``k3`` = K3's
-widths (latent 3584, intermediate 3072, top-16) over 384 experts (25 GB of weights). Per shape and token count N, the
-tokens route by the top-k of uniform random scores; ms per call of:
+Shapes (bf16): ``anchor`` = benchmarks/model.py's anchor config's experts (64, top-8, full width 1024, intermediate
+512, SwiGLU); ``k3`` = K3's widths (latent 3584, intermediate 3072, top-16, SiTU-GLU) over 384 experts (25 GB of
+weights). Per shape and token count N, the tokens route by the top-k of uniform random scores; ms per call of:
 
 - ``ours``: ``moe_decode`` on the Triton backend, called eagerly and replayed from a CUDA graph (``ours_graph``);
 - ``grouped_mm`` (transformers' default), ``batched_mm`` and ``eager``: a ``KdaMoeExperts`` on the torch backend under
@@ -33,9 +33,9 @@ from kda_moe.kernels.moe import decode, moe_decode, routed_experts
 
 dev = "cuda"
 DTYPE = torch.bfloat16
-SHAPES = {"anchor": (64, 8, 512, 256), "k3": (384, 16, 3584, 3072)}  # E, k, l, I
+SHAPES = {"anchor": (64, 8, 1024, 512, "silu"), "k3": (384, 16, 3584, 3072, "situ")}  # E, k, l, I, activation
 TOKENS = (1, 8, 32, 64)
-ACTIVATION = dict(activation="situ", gate_cap=4.0, up_cap=25.0)
+CAPS = dict(gate_cap=4.0, up_cap=25.0)  # SiTU-GLU's (the config's defaults)
 
 
 def bench(fn) -> float:
@@ -70,13 +70,13 @@ def experts_inputs(N, E, k, L, I, seed=0):
     return x, index, (weights / weights.sum(-1, keepdim=True)).to(DTYPE)
 
 
-def transformers_experts(E, k, L, I, gate_up, down):
+def transformers_experts(E, k, L, I, activation, gate_up, down):
     """A ``KdaMoeExperts`` on the torch backend holding ``gate_up`` / ``down`` (shared, not copied)."""
     from kda_moe import KdaMoeTextConfig
     from kda_moe.modeling.modeling_kda_moe import KdaMoeExperts
 
     config = KdaMoeTextConfig(num_experts=E, num_experts_per_tok=k, hidden_size=L, routed_expert_hidden_size=L,
-                              moe_intermediate_size=I, kernel_backend="torch", hidden_act="situ")
+                              moe_intermediate_size=I, kernel_backend="torch", hidden_act=activation)
     with torch.device("meta"):
         experts = KdaMoeExperts(config)
     experts.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
@@ -93,7 +93,7 @@ def knobs(N, L, I):
 
 
 def row(name, N, shape, GBps, tune):
-    E, k, L, I = shape
+    E, k, L, I, activation = shape
     gen = torch.Generator(device=dev).manual_seed(1)
     gate_up = torch.randn(E, 2 * I, L, generator=gen, device=dev, dtype=DTYPE) * (3 * L ** -0.5)
     down = torch.randn(E, L, I, generator=gen, device=dev, dtype=DTYPE) * (I ** -0.5)
@@ -101,17 +101,20 @@ def row(name, N, shape, GBps, tune):
     expert_bytes = index.unique().numel() * 3 * I * L * gate_up.element_size()
     d = dict(shape=name, N=N, E=E, k=k, l=L, I=I, distinct_experts=index.unique().numel(),
              expert_MB=expert_bytes / 1e6, batched_MB=3 * N * k * 3 * I * L * gate_up.element_size() / 1e6)
-    ours = lambda: moe_decode(x, index, weights, gate_up, down, backend="triton", **ACTIVATION)  # noqa: E731
+
+    def ours():
+        return moe_decode(x, index, weights, gate_up, down, activation=activation, backend="triton", **CAPS)
+
     with torch.no_grad():
         if N * k * 3 * I * L * 4 < 8e9:  # the reference gathers each (token, choice)'s expert in fp32
-            reference = routed_experts(x, index, weights, gate_up, down, "situ", 4.0, 25.0).float()
+            reference = routed_experts(x, index, weights, gate_up, down, activation, **CAPS).float()
             d["rel_err"] = ((ours().float() - reference).norm() / reference.norm()).item()
         d["ours_ms"] = bench(ours)
         replay = graphed(ours)
         d["ours_graph_ms"] = bench(replay)
         d["ours_GBps"] = expert_bytes / d["ours_graph_ms"] / 1e6
         d["ours_of_copy"] = d["ours_GBps"] / GBps
-        experts = transformers_experts(E, k, L, I, gate_up, down)
+        experts = transformers_experts(E, k, L, I, activation, gate_up, down)
         for implementation in ("grouped_mm", "batched_mm", "eager"):
             if implementation == "batched_mm" and d["batched_MB"] > 20e3:
                 continue  # the gathered copy would not fit
@@ -125,7 +128,7 @@ def row(name, N, shape, GBps, tune):
             d["knob_graph_ms"] = {}
             for launch in knobs(N, L, I):
                 replay = graphed(lambda launch=launch: decode.launch_moe_decode(
-                    x, index, weights, gate_up, down, "situ", 4.0, 25.0, launch))
+                    x, index, weights, gate_up, down, activation, *CAPS.values(), launch))
                 d["knob_graph_ms"][str(launch)] = bench(replay)
     return d
 

@@ -323,7 +323,7 @@ def test_benchmark_writes_its_rows_and_table(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("moe_decode_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    for name, value in dict(dev="cpu", DTYPE=torch.float32, SHAPES={"tiny": (6, 2, 32, 16)}, copy_GBps=lambda: 1.0,
+    for name, value in dict(dev="cpu", DTYPE=torch.float32, SHAPES={"tiny": (6, 2, 32, 16, "situ")}, copy_GBps=lambda: 1.0,
                             bench=lambda fn: (fn(), 1.0)[1], graphed=lambda fn: fn).items():
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(sys, "argv", ["moe_decode.py", str(tmp_path), "tokens=1,3", "tune"])
@@ -351,26 +351,33 @@ def realistic_inputs(N, k, E, L, I, dtype, seed=0):
     return r(N, L), index, (weights / weights.sum(-1, keepdim=True)).to(dtype), gate_up, down
 
 
+FULL_SIZE = {  # E, k, l, I
+    "e64-l512": (64, 8, 512, 256),  # a LatentMoE of 64 experts, top-8, latent width 512, intermediate 256
+    "anchor": (64, 8, 1024, 512),  # benchmarks/model.py's anchor config: full-width SwiGLU experts (silu here)
+    "k3-width": (384, 16, 3584, 3072),  # K3's latent width, intermediate and top-16 over 384 experts: 25 GB in bf16
+}
+FULL_SIZE_CASES = [(shape, N, dtype) for shape in ("e64-l512", "anchor") for N in (1, 8, 64)
+                   for dtype in (torch.bfloat16, torch.float32)] + [("k3-width", N, torch.bfloat16) for N in (1, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("N", [1, 8, 64])
-@pytest.mark.parametrize("shape", [(64, 8, 512, 256), (384, 16, 3584, 3072)], ids=["anchor", "k3-width"])
+@pytest.mark.parametrize("shape,N,dtype", FULL_SIZE_CASES)
 def test_kernel_at_full_size_matches_the_fp32_reference(shape, N, dtype):
-    """The anchor config's experts (64 experts, top-8, width 512, intermediate 256) and K3's widths (latent 3584,
-    intermediate 3072, top-16) over 384 experts (25 GB in bf16). The reference runs in fp32 on the same inputs with
-    the kernel's rounding points, so the two differ by summation order (tensor-core fp32 accumulation in another
-    order, GPU exp): 2^-8 in bf16 (a flipped rounding moves an element by one bf16 ulp), 1e-5 in fp32 (full-precision
-    fp32 products)."""
-    E, k, L, I = shape
+    """The reference runs in fp32 on the same inputs with the kernel's rounding points, so the two differ by summation
+    order (tensor-core fp32 accumulation in another order, the GPU's exp): 2^-8 in bf16 (a rounding that flips moves
+    an element by one bf16 ulp, 2^-8 relative, and what depends on it by a fraction of that), 1e-5 in fp32 (full fp32
+    products, not tf32: a few ulps)."""
+    E, k, L, I = FULL_SIZE[shape]
     need = E * 3 * I * L * dtype.itemsize + N * k * 3 * I * L * 4  # the weights, and the reference's fp32 gathers
     if need > 0.8 * torch.cuda.get_device_properties(0).total_memory:
         pytest.skip(f"needs {need / 2**30:.0f} GiB of GPU memory")
+    activation = "silu" if shape == "anchor" else "situ"
     x, index, weights, gate_up, down = realistic_inputs(N, k, E, L, I, dtype)
     with torch.no_grad():
-        out = moe_decode(x, index, weights, gate_up, down, activation="situ", gate_cap=4.0, up_cap=25.0,
+        out = moe_decode(x, index, weights, gate_up, down, activation=activation, gate_cap=4.0, up_cap=25.0,
                          backend="triton")
-        reference = routed_experts(x, index, weights, gate_up, down, "situ", 4.0, 25.0)
+        reference = routed_experts(x, index, weights, gate_up, down, activation, 4.0, 25.0)
     tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
     assert torch.isfinite(out).all() and rel(out, reference) < tol
 
