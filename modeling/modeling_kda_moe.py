@@ -48,7 +48,7 @@ from ..configuration import KdaMoeTextConfig
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.backend import resolve_backend
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
-from ..kernels.moe import MAX_DECODE_TOKENS, fits_decode_kernel, gated_activation, moe_decode
+from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -977,12 +977,11 @@ class KdaMoeExperts(nn.Module):
         backend resolving to Triton for these tensors. Everything else keeps `config.experts_implementation`."""
         weights = (self.gate_up_proj, self.down_proj)
         if (
-            hidden_states.shape[0] > MAX_DECODE_TOKENS
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
+            (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
             or parametrize.is_parametrized(self)
             or self.gate_up_proj.shape[0] != self.num_experts
             or self.config._experts_implementation not in PLAIN_EXPERTS_IMPLEMENTATIONS
-            or not fits_decode_kernel(hidden_states, *weights)
+            or not fits_decode_kernel(hidden_states, *weights)  # at most MAX_DECODE_TOKENS tokens, matching dtypes
         ):
             return False
         return resolve_backend(self.backend, hidden_states, *weights) == "triton"

@@ -266,6 +266,18 @@ def test_inputs_that_need_gradients_keep_the_experts_implementation(monkeypatch)
     assert calls
 
 
+def test_more_tokens_than_the_kernel_takes_keep_the_experts_implementation(monkeypatch):
+    """A forward of more than MAX_DECODE_TOKENS tokens (a prompt) runs the experts implementation; 64 take the kernel."""
+    calls = count_kernel_calls(monkeypatch)
+    model = tiny_model(seed=0, kernel_backend="triton", **LAYERS)
+    sparse_layers = model.config.mlp_layer_types.count("sparse")
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, moe.MAX_DECODE_TOKENS + 1)))
+        assert not calls
+        model(torch.randint(1, 97, (2, moe.MAX_DECODE_TOKENS // 2)))
+    assert calls == [moe.MAX_DECODE_TOKENS] * sparse_layers
+
+
 def test_experts_under_an_active_lora_adapter_keep_the_experts_implementation(monkeypatch):
     """PEFT adds a LoRA adapter to the fused expert weights by parametrizing them for the duration of the call: the
     kernel would read the base weights only, so such a call keeps the implementation (which reads the adapted
