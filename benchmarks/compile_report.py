@@ -1,8 +1,9 @@
-"""Compile every KDA kernel and the MLA decode attention for an H100 / H200 (sm_90) on a machine without a GPU and
-print what the compiler reports: registers, spill stack and shared memory per kernel (the chunked forward and
-backward, the decode step, the fused layer decode step, and the MLA decode's split and combine kernels). Device time is
-scarce; spills, shared-memory overflows and compile errors (the interpreter accepts code the compiler rejects) show up
-here for free.
+"""Compile every KDA kernel, the MLA decode attention and the MoE decode kernels for an H100 / H200 (sm_90) on a
+machine without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the
+chunked forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine
+kernels, and the MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts:
+64 experts, top-8, width 1024, intermediate 512). Device time is scarce; spills, shared-memory overflows and compile
+errors (the interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
 
@@ -51,8 +52,8 @@ class _Sm90Driver:
 
 
 def compile_all(dtype, forward_fields, backward_fields):
-    """Run the forward and backward launch code and both decode steps for both gates, then the MLA decode attention;
-    return {kernel name: [compiled kernels]}."""
+    """Run the forward and backward launch code and both decode steps for both gates, the MLA decode attention and
+    the MoE decode at 1 and 64 tokens; return {kernel name: [compiled kernels]}."""
     driver.set_active(_Sm90Driver())
     compiled = {}
     launch = JITFunction.run
@@ -65,6 +66,7 @@ def compile_all(dtype, forward_fields, backward_fields):
     JITFunction.run = compile_only
     try:
         from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, fused_decode, recurrent
+        from kda_moe.kernels.moe import decode as moe_decode
 
         B, T, H, K = (int(n) for n in os.environ.get("KDA_SHAPE", "1,256,2,128").split(","))
         q, k, v, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(4))
@@ -89,6 +91,13 @@ def compile_all(dtype, forward_fields, backward_fields):
                                              state, gate, torch.ones(K, dtype=dtype), 1e-5, lb, K ** -0.5,
                                              fused_decode.fused_decode_launch(K, K))
         compile_mla_decode(dtype)
+        E, top_k, L, I = 64, 8, 1024, 512
+        gate_up, down = torch.zeros(E, 2 * I, L, dtype=dtype), torch.zeros(E, L, I, dtype=dtype)
+        for tokens in (1, moe_decode.MAX_DECODE_TOKENS):
+            index = torch.zeros(tokens, top_k, dtype=torch.long)
+            hidden, weights = torch.zeros(tokens, L, dtype=dtype), torch.zeros(tokens, top_k)
+            moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, "situ", 4.0, 25.0,
+                                         moe_decode.moe_decode_launch(tokens, L, I))
     finally:
         JITFunction.run = launch
     return compiled

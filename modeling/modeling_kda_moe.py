@@ -16,6 +16,7 @@ from functools import wraps
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
@@ -46,8 +47,10 @@ from ..compat import (
 from ..configuration import KdaMoeTextConfig
 from ..distributed.tensor_parallel import data_parallel_group_of_mesh
 from ..kernels.conv import short_conv, short_conv_step
+from ..kernels.backend import resolve_backend
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
+from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -109,14 +112,7 @@ class KdaMoeGatedActivation(nn.Module):
         self.up_cap = config.activation_situ_linear_beta
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.kind == "silu":
-            return F.silu(gate) * up
-        dtype = gate.dtype
-        gate, up = gate.float(), up.float()
-        gate = self.gate_cap * torch.tanh(gate / self.gate_cap) * torch.sigmoid(gate)
-        if self.up_cap is not None:
-            up = self.up_cap * torch.tanh(up / self.up_cap)
-        return (gate * up).to(dtype)
+        return gated_activation(gate, up, self.kind, self.gate_cap, self.up_cap)
 
     def extra_repr(self):
         return f"{self.kind}" + (f", b1={self.gate_cap}, b2={self.up_cap}" if self.kind == "situ" else "")
@@ -959,12 +955,37 @@ class KdaMoeRouter(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# transformers' implementations of plain fused weights, which compute what the decode kernel computes
+PLAIN_EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+
+
+def decode_few_tokens_with_kernel(experts_class: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator over `@use_experts_implementation`: a call that `takes_decode_kernel` runs `moe_decode`'s
+    Triton kernel, any other `config.experts_implementation`'s forward. The choice is made inside the module call, so
+    hooks on the experts module (tensor / expert parallel plans, output recorders) run around either."""
+    implementation_forward = experts_class.forward
+
+    @wraps(implementation_forward)
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if not self.takes_decode_kernel(hidden_states):
+            return implementation_forward(self, hidden_states, top_k_index, top_k_weights)
+        return moe_decode(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation=self.act_fn.kind,
+            gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
+        )
+
+    experts_class.forward = forward
+    return experts_class
+
+
+@decode_few_tokens_with_kernel
 @use_experts_implementation
 class KdaMoeExperts(nn.Module):
     """E routed experts stored fused: `gate_up_proj` [E, 2I, l] and `down_proj` [E, l, I] (l = expert width).
 
     `config.experts_implementation` picks this eager loop or transformers' batched / grouped GEMMs; all of them call
-    `_apply_gate`, so SiTU-GLU is used everywhere.
+    `_apply_gate`, so SiTU-GLU is used everywhere. Decoding (a few tokens, no autograd) on the Triton backend runs
+    `moe_decode` instead, one kernel that reads only the chosen experts' weights, each once (`takes_decode_kernel`).
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -975,10 +996,27 @@ class KdaMoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = KdaMoeGatedActivation(config)
+        self.backend = config.kernel_backend
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up_out.chunk(2, dim=-1)
         return self.act_fn(gate, up)
+
+    def takes_decode_kernel(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this call runs `moe_decode`'s Triton kernel: at most `MAX_DECODE_TOKENS` tokens and no gradient
+        needed; the weights as built (not parametrized, as an active PEFT adapter on them is; holding all E experts,
+        not an expert-parallel shard) under one of transformers' implementations for plain weights; and the kernel
+        backend resolving to Triton for these tensors. Everything else keeps `config.experts_implementation`."""
+        weights = (self.gate_up_proj, self.down_proj)
+        if (
+            (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
+            or parametrize.is_parametrized(self)
+            or self.gate_up_proj.shape[0] != self.num_experts
+            or self.config._experts_implementation not in PLAIN_EXPERTS_IMPLEMENTATIONS
+            or not fits_decode_kernel(hidden_states, *weights)  # at most MAX_DECODE_TOKENS tokens, matching dtypes
+        ):
+            return False
+        return resolve_backend(self.backend, hidden_states, *weights) == "triton"
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

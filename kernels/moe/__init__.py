@@ -1,0 +1,70 @@
+"""Routed experts: the few-token decode entry point used by the model, and the gated activation it shares with the
+dense MLP."""
+
+import torch
+
+from ..backend import TRITON_AVAILABLE, resolve_backend
+from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
+from .reference import ACTIVATIONS, gated_activation, routed_experts
+
+if TRITON_AVAILABLE:
+    from .decode import moe_decode_triton
+
+
+def _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
+    if hidden_states.dim() != 2 or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(
+            f"hidden_states must be [N, l], gate_up_proj [E, 2I, l] and down_proj [E, l, I], got "
+            f"{tuple(hidden_states.shape)}, {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}."
+        )
+    N, L = hidden_states.shape
+    E, _, I = down_proj.shape
+    if down_proj.shape[1] != L or gate_up_proj.shape != (E, 2 * I, L):
+        raise ValueError(
+            f"gate_up_proj must be [E, 2I, l] = {(E, 2 * I, L)} and down_proj [E, l, I] with l = {L} (the hidden "
+            f"states' width), got {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}."
+        )
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != N or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_index and top_k_weights must both be [N, k] with N = {N}, got {tuple(top_k_index.shape)} and "
+            f"{tuple(top_k_weights.shape)}."
+        )
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_k_index must hold expert ids as int32 or int64, got {top_k_index.dtype}.")
+
+
+def moe_decode(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activation: str,
+    gate_cap: float,
+    up_cap: float | None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The routed experts of a few tokens: ``sum_j w_j down_j(act(gate_up_j(x)))`` per token.
+
+    hidden_states ``[N, l]``; top_k_index (ids in ``[0, E)``) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]``
+    (gate rows, then up rows) and down_proj ``[E, l, I]`` as the experts module stores them; ``activation`` "silu" or
+    "situ" with ``gate_cap`` / ``up_cap`` as in ``gated_activation``. Returns ``[N, l]`` in hidden_states' dtype.
+    The Triton kernel reads each chosen expert's weights once, in place (no gathered copy), with fp32 products and
+    sums; it takes up to ``MAX_DECODE_TOKENS`` tokens with contiguous weights of their dtype, and no autograd.
+    ``"auto"`` runs anything else on the reference, which gathers the chosen experts' weights per token."""
+    _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    supported = fits_decode_kernel(hidden_states, gate_up_proj, down_proj) and not needs_grad
+    options = dict(gate_cap=gate_cap, up_cap=up_cap)
+    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                       supported=supported) == "triton":
+        return moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind=activation,
+                                 **options)
+    return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
+
+
+__all__ = ["MAX_DECODE_TOKENS", "fits_decode_kernel", "gated_activation", "moe_decode", "routed_experts"]

@@ -1,0 +1,206 @@
+"""Routed experts for a few tokens (decoding), reading only the chosen experts' weights, each once.
+
+``moe_decode_triton`` takes hidden states ``[N, l]``, each token's k chosen experts and routing weights ``[N, k]``
+and the fused expert weights as stored, ``gate_up_proj [E, 2I, l]`` and ``down_proj [E, l, I]``, and returns
+``sum_j w_j down_j(act(gate_up_j(x)))`` per token ``[N, l]``. Two kernels and one sum:
+
+1. up: a program per (choice slot, block of I channels). The program of the first slot that chose an expert (in
+   token-major order) runs that expert for every token that chose it: it reads the expert's gate and up rows of its
+   block straight from ``gate_up_proj`` once, multiplies them with those tokens' rows (a ``[rows, l]`` tile, the
+   other rows masked off) and stores the gated activation per (token, choice). Programs of the other slots exit.
+2. down: the same ownership over (choice slot, block of l channels); the owner multiplies its expert's ``down_proj``
+   rows with the activations of the tokens that chose it and stores each (token, choice)'s weighted row in fp32.
+3. the k rows of each token are summed in fp32 and rounded to the input dtype.
+
+No host reads, no data-dependent shapes (the grids depend on N, k, I and l only), so torch.compile traces the custom
+op and a CUDA graph replays it. Bytes read per call: the distinct chosen experts' ``3 * I * l`` weights, once each,
+plus the tokens' rows. Products accumulate in fp32 (fp32 inputs multiply in full fp32, not tf32); the activation is
+rounded to the input dtype before the down product, as the other expert implementations hand it on.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..backend import op_for_call, tl, triton
+from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
+
+
+@dataclass(frozen=True)
+class MoeDecodeLaunch:
+    """How the two decode kernels are launched; ``moe_decode_launch`` picks one per call."""
+
+    rows: int  # token rows of every tile: all N tokens, padded to a power of two >= 16 (tl.dot's least M)
+    block_inter: int  # intermediate channels (of gate and of up each) per up program
+    block_out: int  # output channels per down program
+    block_k: int  # reduction slice per loop step, in both kernels
+    warps: int  # warps per program
+
+
+def moe_decode_launch(tokens: int, hidden: int, intermediate: int) -> MoeDecodeLaunch:
+    """Narrow blocks so that a single token's k experts spread over many programs (k = 8 at I = 256 gives 128 up and
+    128 down programs at l = 512: about one per SM of an H100); 128-wide slices (256 contiguous bytes of a bf16 weight
+    row) while the token tile is small, 64 from 32 rows up to keep the tile in registers. Not tuned on a GPU yet."""
+    rows = max(16, triton.next_power_of_2(tokens))
+    return MoeDecodeLaunch(
+        rows=rows,
+        block_inter=16,
+        block_out=32,
+        block_k=min(128 if rows <= 16 else 64, max(16, triton.next_power_of_2(max(hidden, intermediate)))),
+        warps=4,
+    )
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (Triton's language has no tanh that its interpreter runs): (1 - e) / (1 + e) with
+    e = exp(-2|x|), which cannot overflow; below |x| = 0.1, where that difference cancels, its odd Taylor polynomial
+    (truncation error < 3e-10 relative)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    a2 = a * a
+    taylor = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 - a2 * (17.0 / 315.0))))
+    t = tl.where(a < 0.1, taylor, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def gated_activation(gate, up, gate_cap, up_cap, SITU: tl.constexpr, UP_CAP: tl.constexpr):
+    """``reference.gated_activation`` on fp32 tiles: SiTU-GLU ``gate_cap * tanh(gate / gate_cap) * sigmoid(gate) *
+    up_cap * tanh(up / up_cap)`` (the up cap only if UP_CAP), else SwiGLU ``gate * sigmoid(gate) * up``."""
+    sigmoid = tl.sigmoid(gate)
+    if SITU:
+        gate = gate_cap * _tanh(gate / gate_cap)
+        if UP_CAP:
+            up = up_cap * _tanh(up / up_cap)
+    return gate * sigmoid * up
+
+
+@triton.jit
+def _expert_of_slot(top_k_index, slot, N, E, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):
+    """Choice slot ``slot`` (token slot // K, its (slot % K)-th choice) chose expert e. Returns (e; per token row
+    [ROWS]: whether it chose e, and the first of its choices that is e; whether this slot owns e: it is the first slot
+    that chose e, in token-major order, and e is one of the E experts)."""
+    e = tl.load(top_k_index + slot)
+    o_t = tl.arange(0, ROWS)
+    o_j = tl.arange(0, KP)
+    chosen = tl.load(top_k_index + o_t[:, None] * K + o_j[None, :], mask=(o_t < N)[:, None] & (o_j < K)[None, :],
+                     other=-1)
+    choice = tl.min(tl.where(chosen == e, o_j[None, :], KP), 1)  # [ROWS], KP where the token did not choose e
+    chose = choice < KP
+    first_token = tl.min(tl.where(chose, o_t, ROWS), 0)
+    first_choice = tl.min(tl.where(o_t == first_token, choice, KP), 0)
+    owner = (slot == first_token * K + first_choice) & (e >= 0) & (e < E)
+    return e, chose, choice, owner
+
+
+@triton.jit
+def _moe_up_kernel(x, top_k_index, gate_up, act, N, E, gate_cap, up_cap, K: tl.constexpr, KP: tl.constexpr,
+                   L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
+                   SITU: tl.constexpr, UP_CAP: tl.constexpr):
+    slot = tl.program_id(0)
+    e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
+    if owner:
+        o_t = tl.arange(0, ROWS)
+        o_i = tl.program_id(1) * BI + tl.arange(0, BI)
+        m_i = o_i < I
+        gate_rows = e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] offsets of this block's gate rows; up rows: + I*L
+        acc_gate = tl.zeros((ROWS, BI), dtype=tl.float32)
+        acc_up = tl.zeros((ROWS, BI), dtype=tl.float32)
+        for k0 in range(0, L, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < L
+            bx = tl.load(x + o_t[:, None] * L + o_k[None, :], mask=chose[:, None] & m_k[None, :], other=0.0)
+            m_w = m_i[:, None] & m_k[None, :]
+            w_gate = tl.load(gate_up + gate_rows[:, None] + o_k[None, :], mask=m_w, other=0.0)
+            w_up = tl.load(gate_up + (gate_rows + I * L)[:, None] + o_k[None, :], mask=m_w, other=0.0)
+            acc_gate = tl.dot(bx, tl.trans(w_gate), acc_gate, input_precision="ieee")
+            acc_up = tl.dot(bx, tl.trans(w_up), acc_up, input_precision="ieee")
+        h = gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
+        rows = (o_t * K + choice)[:, None] * I  # each token's row of act: the first of its choices that is e
+        tl.store(act + rows + o_i[None, :], h.to(act.dtype.element_ty), mask=chose[:, None] & m_i[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(act, top_k_index, top_k_weights, down, out, N, E, K: tl.constexpr, KP: tl.constexpr,
+                     L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
+    slot = tl.program_id(0)
+    e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
+    o_t = tl.arange(0, ROWS)
+    o_o = tl.program_id(1) * BO + tl.arange(0, BO)
+    m_o = o_o < L
+    if owner:
+        down_rows = e.to(tl.int64) * (L * I) + o_o * I  # [BO]
+        acc = tl.zeros((ROWS, BO), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < I
+            ba = tl.load(act + (o_t * K + choice)[:, None] * I + o_k[None, :], mask=chose[:, None] & m_k[None, :],
+                         other=0.0)
+            w_down = tl.load(down + down_rows[:, None] + o_k[None, :], mask=m_o[:, None] & m_k[None, :], other=0.0)
+            acc = tl.dot(ba, tl.trans(w_down), acc, input_precision="ieee")
+        for j in tl.static_range(K):  # every (token, choice) that is e gets its own weighted row
+            picked = tl.load(top_k_index + o_t * K + j, mask=o_t < N, other=-1) == e
+            weight = tl.load(top_k_weights + o_t * K + j, mask=picked, other=0.0).to(tl.float32)
+            tl.store(out + (o_t * K + j)[:, None] * L + o_o[None, :], acc * weight[:, None],
+                     mask=picked[:, None] & m_o[None, :])
+    elif (e < 0) | (e >= E):  # no expert (an expert-parallel placeholder id): the slot adds nothing
+        tl.store(out + slot * L + o_o, tl.zeros((BO,), dtype=tl.float32), mask=m_o)
+
+
+def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap, up_cap,
+                      launch: MoeDecodeLaunch):
+    """The two kernels and the sum over choices on contiguous inputs (shapes as in ``moe_decode_triton``); returns
+    ``[N, l]`` in hidden_states' dtype."""
+    N, K = top_k_index.shape
+    E, L, I = down_proj.shape
+    act = hidden_states.new_empty(N * K, I)  # per (token, choice): the gated activation, in the input dtype
+    out = torch.empty(N, K, L, device=hidden_states.device, dtype=torch.float32)  # per (token, choice): w_j * expert_j
+    shape = dict(K=K, KP=triton.next_power_of_2(K), L=L, I=I, ROWS=launch.rows)
+    _moe_up_kernel[(N * K, triton.cdiv(I, launch.block_inter))](
+        hidden_states, top_k_index, gate_up_proj, act, N, E, float(gate_cap), 0.0 if up_cap is None else float(up_cap),
+        BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ", UP_CAP=up_cap is not None,
+        num_warps=launch.warps, **shape)
+    _moe_down_kernel[(N * K, triton.cdiv(L, launch.block_out))](
+        act, top_k_index, top_k_weights, down_proj, out, N, E, BO=launch.block_out, BK=launch.block_k,
+        num_warps=launch.warps, **shape)
+    return out.sum(1).to(hidden_states.dtype)
+
+
+def _decode(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, kind: str, gate_cap: float,
+            up_cap: Optional[float]) -> torch.Tensor:
+    return launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap,
+                             up_cap, moe_decode_launch(*hidden_states.shape, down_proj.shape[2]))
+
+
+moe_decode_op = torch.library.custom_op("kda_moe::moe_decode", _decode, mutates_args=())
+
+
+@moe_decode_op.register_fake
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap, up_cap):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, kind, gate_cap, up_cap):
+    """The routed experts of at most ``MAX_DECODE_TOKENS`` tokens in two launches and a sum. hidden_states ``[N, l]``;
+    top_k_index (expert ids) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]`` and down_proj ``[E, l, I]``
+    (contiguous, hidden_states' dtype, read in place); the activation ``kind`` ("silu" | "situ") with its caps.
+    Returns ``[N, l]`` in hidden_states' dtype. Decoding only: no backward."""
+    if not fits_decode_kernel(hidden_states, gate_up_proj, down_proj):
+        raise ValueError(
+            f"the Triton MoE decode kernel takes at most {MAX_DECODE_TOKENS} tokens in bf16, fp16 or fp32 and reads "
+            f"contiguous expert weights of that dtype in place; got {hidden_states.shape[0]} tokens in "
+            f"{hidden_states.dtype}, gate_up_proj {gate_up_proj.dtype} (contiguous: {gate_up_proj.is_contiguous()}) "
+            f"and down_proj {down_proj.dtype} (contiguous: {down_proj.is_contiguous()}). Run the experts module (its "
+            "experts_implementation) for more tokens, or pass matching contiguous weights."
+        )
+    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError("the Triton MoE decode kernel has no backward: call it under torch.no_grad() (as generate() "
+                         "does), or run the experts module for training.")
+    hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
+    up_cap = None if up_cap is None else float(up_cap)
+    return op_for_call(moe_decode_op, _decode)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind,
+                                               float(gate_cap), up_cap)

@@ -1,0 +1,22 @@
+"""What the Triton MoE decode kernel takes, without importing Triton, so that the public op and the model can ask
+before the kernel is chosen."""
+
+import torch
+
+# The most tokens one call takes: every program holds all of them as the rows of its tiles (64 rows of bf16 at a
+# 64-wide reduction slice are 32 registers a thread at 4 warps). More tokens are no longer decoding: grouped GEMMs
+# read each expert once as well and keep the tensor cores busier.
+MAX_DECODE_TOKENS = 64
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fits_decode_kernel(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs: at most ``MAX_DECODE_TOKENS`` tokens, and contiguous expert weights of
+    the hidden states' (floating) dtype, which it reads in place."""
+    return (
+        hidden_states.shape[0] <= MAX_DECODE_TOKENS
+        and hidden_states.dtype in KERNEL_DTYPES
+        and gate_up_proj.dtype == down_proj.dtype == hidden_states.dtype
+        and gate_up_proj.is_contiguous()
+        and down_proj.is_contiguous()
+    )
