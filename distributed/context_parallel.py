@@ -129,62 +129,87 @@ class SequenceShard:
             history = torch.cat([history, later])
         return history
 
-    def delta_rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        A_log: torch.Tensor,
-        dt_bias: torch.Tensor,
-        *,
-        gate_lower_bound: float | None,
-        backend: str,
-    ) -> torch.Tensor:
-        """`kimi_delta_attention` over this slice as if it continued from every earlier slice: o [B, T, H, V].
+    def delta_rule(self, *kda_inputs: torch.Tensor, gate_lower_bound: float | None, backend: str) -> torch.Tensor:
+        """`kimi_delta_attention` over this slice as if it continued from every earlier slice: kda_inputs are its
+        (q, k, v, g, beta, A_log, dt_bias); returns o [B, T, H, V]. See `slice_transition` for the math.
 
-        Exactness. Per token the gated delta rule is affine in the state S [K, V]:
-            S_t = A_t S_{t-1} + b_t,   A_t = (I - beta_t k_t k_t^T) Diag(exp(g_t))  [K, K],   b_t = beta_t k_t v_t^T.
-        Over the slice, S_t = M_t S_in + D_t with M_t = A_t ... A_1 and D_t the state reached from S_in = 0, so the
-        outputs o_t = S_t^T q_t (q scaled) split into the slice's own part and a term linear in the incoming state:
-            o_t = D_t^T q_t + S_in^T (M_t^T q_t).
-        The recurrence treats every column of S (one value channel) on its own, so one run of the chunked kernel over
-        the values [v | 0] ([K, V + K] state) from the initial state [0 | I] carries D_t in the first V columns and
-        M_t = M_t I in the last K: its outputs are [D_t^T q_t | M_t^T q_t] and its final state [D_T | M_T]. The
-        ranks all-gather (D_T, M_T), rank r composes S_in(r) = M_{r-1} S_in(r-1) + D_{r-1} from S_in(0) = 0 and adds
-        S_in(r)^T (M_t^T q_t): the exact output, with no second pass, at the cost of K more value columns.
-
-        Packed rows: only a first document that continues the previous rank's starts with the identity columns; a
-        document that starts inside the slice starts from [0 | 0], so its tokens get no correction, and when it is
-        the slice's last one M_T = 0 and the state passed on does not depend on the earlier slices.
-
-        The backward is autograd's through the kernel (either backend) and the composition; the all-gather's backward
-        returns to every rank the gradient of its (D_T, M_T). Every rank composes all the transitions (world - 1
-        small matmuls) and picks its own, so that each one's graph reaches the all-gather and joins its backward.
-        """
-        batch_size, seq_len, heads, key_dim = q.shape
-        value_dim = v.shape[-1]
-        sequences = batch_size if self.cu_seqlens is None else len(self.cu_seqlens) - 1
-        values = torch.cat([v, v.new_zeros(batch_size, seq_len, heads, key_dim)], dim=-1)  # [B, T, H, V + K]
-        initial_state = q.new_zeros(sequences, heads, key_dim, value_dim + key_dim, dtype=torch.float32)
-        if self.continues:
-            continued = initial_state[:1] if self.cu_seqlens is not None else initial_state
-            continued[..., value_dim:] = torch.eye(key_dim, dtype=torch.float32, device=q.device)
-        output, final_state = kimi_delta_attention(
-            q, k, values, g, beta, A_log, dt_bias, gate_lower_bound=gate_lower_bound, initial_state=initial_state,
-            output_final_state=True, cu_seqlens=self.cu_seqlens, backend=backend,
+        Every rank composes all the transitions (world - 1 small matmuls) and picks its own incoming state, so that
+        each rank's graph reaches the all-gather and every rank joins its backward (rank 0 included)."""
+        output, carried_query, transition = slice_transition(
+            *kda_inputs, continues=self.continues, cu_seqlens=self.cu_seqlens, gate_lower_bound=gate_lower_bound,
+            backend=backend,
         )  # fmt: skip
-        local_output, carried_query = output.split([value_dim, key_dim], dim=-1)  # D_t^T q_t, M_t^T q_t
-        transition = final_state if self.cu_seqlens is None else final_state[-1:]  # [B, H, K, V + K]: [D_T | M_T]
+        incoming = incoming_states(gather_from_ranks(transition, self.group))[self.rank]
+        return continue_from(output, carried_query, incoming)
 
-        transitions = gather_from_ranks(transition, self.group)  # [world, B, H, K, V + K]
-        states = [transitions.new_zeros(transition.shape[:-1] + (value_dim,))]  # S_in of rank 0
-        for contribution, carry in (t.split([value_dim, key_dim], dim=-1) for t in transitions[:-1].unbind(0)):
-            states.append(carry @ states[-1] + contribution)
-        incoming = torch.stack(states)[self.rank]  # [B, H, K, V]
-        correction = torch.einsum("bthk,bhkv->bthv", carried_query.to(incoming.dtype), incoming)
-        return (local_output + correction).to(v.dtype)
+
+def slice_transition(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    continues: bool,
+    cu_seqlens: torch.Tensor | None = None,
+    gate_lower_bound: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA over one slice of a longer sequence, from a zero state, with what it needs to continue any incoming state.
+
+    Arguments as `kimi_delta_attention` (cu_seqlens: the slice's document boundaries, its first document the
+    continuation of the previous slice's when `continues`). Returns (output [B, T, H, V] from a zero incoming state,
+    carried_query [B, T, H, K], transition [B, H, K, V + K] = [D | M] of the slice's last document).
+
+    The math. Per token the gated delta rule is affine in the state S [K, V]:
+        S_t = A_t S_{t-1} + b_t,   A_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) [K, K],   b_t = beta_t k_t v_t^T.
+    Over the slice, S_t = M_t S_in + D_t with M_t = A_t ... A_1 and D_t the state reached from S_in = 0, so the
+    outputs o_t = S_t^T q_t (q scaled) split into the slice's own part and a term linear in the incoming state:
+        o_t = D_t^T q_t + S_in^T (M_t^T q_t).
+    The recurrence treats every column of S (one value channel) on its own, so one run of the chunked kernel over the
+    values [v | 0] ([K, V + K] state) from the initial state [0 | I] carries D_t in the first V columns and
+    M_t = M_t I in the last K: its outputs are [D_t^T q_t | M_t^T q_t] (the output and the carried query) and its
+    final state [D_T | M_T] (the transition). Given S_in, `continue_from` adds S_in^T (M_t^T q_t): the exact output,
+    with no second pass, for K more value columns. The backward is autograd's through the kernel (either backend).
+
+    Packed rows: only a first document that continues the previous slice's starts with the identity columns; a
+    document that starts inside the slice starts from [0 | 0], so its tokens get no correction, and when it is the
+    slice's last one M_T = 0: the state passed on does not depend on the earlier slices.
+    """
+    batch_size, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    sequences = batch_size if cu_seqlens is None else len(cu_seqlens) - 1
+    values = torch.cat([v, v.new_zeros(batch_size, seq_len, heads, key_dim)], dim=-1)  # [B, T, H, V + K]
+    initial_state = q.new_zeros(sequences, heads, key_dim, value_dim + key_dim, dtype=torch.float32)
+    if continues:
+        continued = initial_state[:1] if cu_seqlens is not None else initial_state
+        continued[..., value_dim:] = torch.eye(key_dim, dtype=torch.float32, device=q.device)
+    output, final_state = kimi_delta_attention(
+        q, k, values, g, beta, A_log, dt_bias, gate_lower_bound=gate_lower_bound, initial_state=initial_state,
+        output_final_state=True, cu_seqlens=cu_seqlens, backend=backend,
+    )  # fmt: skip
+    output, carried_query = output.split([value_dim, key_dim], dim=-1)
+    transition = final_state if cu_seqlens is None else final_state[-1:]
+    return output, carried_query, transition
+
+
+def incoming_states(transitions: torch.Tensor) -> torch.Tensor:
+    """The state every slice starts from: transitions [slices, B, H, K, V + K] ([D | M] of each slice, in order) ->
+    [slices, B, H, K, V], from S_in(0) = 0 through S_in(r + 1) = M_r S_in(r) + D_r."""
+    key_dim = transitions.shape[-2]
+    value_dim = transitions.shape[-1] - key_dim
+    states = [transitions.new_zeros(transitions.shape[1:-1] + (value_dim,))]
+    for contribution, carry in (t.split([value_dim, key_dim], dim=-1) for t in transitions[:-1].unbind(0)):
+        states.append(carry @ states[-1] + contribution)
+    return torch.stack(states)
+
+
+def continue_from(output: torch.Tensor, carried_query: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+    """A slice's exact output given its incoming state [B, H, K, V]: output + S_in^T (M_t^T q_t), in output's dtype."""
+    correction = torch.einsum("bthk,bhkv->bthv", carried_query.to(incoming.dtype), incoming)
+    return (output + correction).to(output.dtype)
 
 
 class ContextParallel:
@@ -326,4 +351,13 @@ def shard_batch(batch: dict, group) -> dict:
     return shard
 
 
-__all__ = ["ContextParallel", "SequenceShard", "context_parallel", "gather_from_ranks", "shard_batch"]
+__all__ = [
+    "ContextParallel",
+    "SequenceShard",
+    "context_parallel",
+    "continue_from",
+    "gather_from_ranks",
+    "incoming_states",
+    "shard_batch",
+    "slice_transition",
+]
