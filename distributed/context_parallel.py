@@ -8,7 +8,7 @@
 What each part of the model needs from the other ranks, and how it gets it (with the matching backward):
 - KDA: the state its first token continues from. Every rank runs its slice from a zero state and also computes the
   slice's affine state transition; the ranks all-gather the transitions (K x (K + V) per head), compose them up to
-  their own slice and correct their outputs exactly (`SequenceShard.delta_rule` has the math).
+  their own slice and correct their outputs exactly (`slice_transition` has the math).
 - The short conv before KDA: the previous rank's last `kernel - 1` conv inputs (all-gathered tails).
 - MLA: the keys of every earlier token. The ranks all-gather the compressed latent and the rope key
   (`kv_lora_rank + qk_rope_head_dim` values per token) and attend under a causal mask offset by the slice start.
@@ -61,7 +61,7 @@ def gather_from_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
 class SequenceShard:
     """This rank's slice of the row(s) of one forward, and what its layers need to join the other slices.
 
-    rank / world_size: the place in the context-parallel `group`; start: the slice's first global token index (every
+    rank: the place in the context-parallel `group`; start: the slice's first global token index (every
     slice holds the same number of tokens); position_ids [B, T]: the slice's global position ids (RoPE);
     sequence_ids [B, world * T]: the document every global token belongs to (all 0 unless the row is packed);
     cu_seqlens [N + 1]: the local document boundaries of a packed row (else None), the first local document possibly
@@ -71,7 +71,6 @@ class SequenceShard:
 
     group: "dist.ProcessGroup"
     rank: int
-    world_size: int
     start: int
     position_ids: torch.Tensor
     sequence_ids: torch.Tensor
@@ -91,7 +90,8 @@ class SequenceShard:
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """MLA's additive mask [B, 1, T, end] over the keys of the global tokens before this slice's end: a query at
-        global index i sees key j <= i of its own document."""
+        global index i sees key j <= i of its own document. Dense, so it grows with slice x sequence length (a ring
+        or a varlen attention kernel would not need it)."""
         queries = torch.arange(self.start, self.end, device=self.sequence_ids.device)
         keys = torch.arange(self.end, device=self.sequence_ids.device)
         causal = keys[None, :] <= queries[:, None]  # [T, end]
@@ -239,7 +239,7 @@ class ContextParallel:
                 f"explicit causal mask offset by the slice start), got {config._attn_implementation!r}."
             )
         group = self.group
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        rank = dist.get_rank(group)
         batch_size, seq_len = inputs_embeds.shape[:2]
         device = inputs_embeds.device
         shapes = gather_from_ranks(torch.tensor([batch_size, seq_len], device=device), group).tolist()
@@ -276,7 +276,7 @@ class ContextParallel:
                 torch.full((1,), seq_len, dtype=torch.int64, device=device),
             ])  # fmt: skip
         continues = rank > 0 and bool((sequence_ids[:, start] == sequence_ids[:, start - 1]).all())
-        return SequenceShard(group, rank, world_size, start, position_ids, sequence_ids, cu_seqlens, continues)
+        return SequenceShard(group, rank, start, position_ids, sequence_ids, cu_seqlens, continues)
 
 
 def _context_parallel_group(mesh_or_group):
