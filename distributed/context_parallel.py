@@ -82,21 +82,23 @@ class SequenceShard:
         return self.start + self.position_ids.shape[1]
 
     def layer_masks(self, config, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
-        """The mask each layer type reads: none for KDA (no padding), MLA's offset causal mask."""
+        """The mask each layer type reads: none for KDA (no padding); for MLA the keys each query sees."""
         masks = {"linear_attention": None}
         if "full_attention" in config.layer_types:
-            masks["full_attention"] = self.attention_mask(dtype)
+            masks["full_attention"] = self.attention_mask(config._attn_implementation, dtype)
         return masks
 
-    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """MLA's additive mask [B, 1, T, end] over the keys of the global tokens before this slice's end: a query at
-        global index i sees key j <= i of its own document. Dense, so it grows with slice x sequence length (a ring
-        or a varlen attention kernel would not need it)."""
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """MLA's mask [B, 1, T, end] over the keys of the global tokens before this slice's end: a query at global
+        index i sees key j <= i of its own document. Boolean (True = attend) for sdpa, additive in `dtype` for eager.
+        Dense, so it grows with slice x sequence length (a ring or a varlen attention kernel would not need it)."""
         queries = torch.arange(self.start, self.end, device=self.sequence_ids.device)
         keys = torch.arange(self.end, device=self.sequence_ids.device)
         causal = keys[None, :] <= queries[:, None]  # [T, end]
         same_document = self.sequence_ids[:, queries, None] == self.sequence_ids[:, None, : self.end]  # [B, T, end]
         allowed = (causal & same_document)[:, None]
+        if attn_implementation == "sdpa":
+            return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )

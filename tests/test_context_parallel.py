@@ -1,6 +1,6 @@
 """Context parallelism on CPU: 2 and 4 gloo processes (`torch.multiprocessing` spawn), each holding an equal slice
 of the same rows of a hybrid model (KDA, MLA with RoPE, KDA, MLA; AttnRes, LatentMoE with Quantile Balancing), in
-fp64. Every rank checks its logits against its slice of a one-process run, the summed loss and the summed parameter
+fp64 (MLA through sdpa on 2 ranks, eager on 4). Every rank checks its logits against its slice of a one-process run, the summed loss and the summed parameter
 gradients against that run's, and that every rank holds the same expert biases after the step. Rows: two plain rows,
 and packed rows whose documents start inside a slice (within the short conv's reach of the next slice), exactly at
 a slice edge, and run across two and three slices."""
@@ -177,6 +177,8 @@ def worker(rank, tmpdir):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         check_context_parallel(context_parallel(model, mesh), reference, mesh.get_group("cp"), "2 ranks")
         check_bad_inputs(model, mesh.get_group("cp"))
+        for lm in (model, reference):  # the offset causal mask in both forms: boolean for sdpa, additive for eager
+            lm.config._attn_implementation = "eager"
         check_context_parallel(context_parallel(model, dist.group.WORLD), reference, dist.group.WORLD, "4 ranks")
         dist.barrier()
     finally:
