@@ -145,7 +145,7 @@ def check_context_parallel(model, reference, group, label):
 def check_bad_inputs(model, group):
     """Inputs context parallelism cannot take raise a clear error on every rank (none waits in a collective)."""
     from kda_moe import KdaMoeCache
-    from kda_moe.distributed import shard_batch
+    from kda_moe.distributed import context_parallel, shard_batch
 
     rank = dist.get_rank(group)
     ids = torch.ones(1, 16, dtype=torch.long)
@@ -161,6 +161,8 @@ def check_bad_inputs(model, group):
         model(input_ids=ids[:, :2])
     with pytest.raises(ValueError, match="packed rows need batch size 1"):
         model(input_ids=ids.expand(2, -1), position_ids=torch.arange(16).remainder(6).expand(2, -1))
+    with pytest.raises(ValueError, match="needs one named 'cp'"):
+        context_parallel(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
 
 
 def worker(rank, tmpdir):
@@ -180,6 +182,11 @@ def worker(rank, tmpdir):
         for lm in (model, reference):  # the offset causal mask in both forms: boolean for sdpa, additive for eager
             lm.config._attn_implementation = "eager"
         check_context_parallel(context_parallel(model, dist.group.WORLD), reference, dist.group.WORLD, "4 ranks")
+
+        context_parallel(model, None)  # back to one process: whole rows, the one-process logits
+        reference.load_state_dict(model.state_dict())
+        batch = row_inputs(ROWS["document start at a slice edge"], model.config.vocab_size)
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=0, atol=0)
         dist.barrier()
     finally:
         dist.destroy_process_group()
