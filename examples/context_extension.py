@@ -251,20 +251,21 @@ def train_context_parallel(model, rows, stage: Stage, chunk_size: int, group):
     context_parallel(model, group)
     device = next(model.parameters()).device
     loss_module = ChunkedLossCausalLM(model, chunk_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=stage.learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=stage.learning_rate, weight_decay=0.0)  # Trainer's default
     schedule = get_cosine_schedule_with_warmup(optimizer, max(1, stage.steps // 20), stage.steps)
     collate, losses = PackedRowCollator(), []
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda" and torch.cuda.is_bf16_supported())
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()  # as Trainer's bf16 switch
     for step in range(stage.steps):
         step_loss = torch.zeros((), device=device)
         for row in rows[step * stage.batch : (step + 1) * stage.batch]:
             inputs = {name: value.to(device) for name, value in shard_batch(collate([row]), group).items()}
-            with autocast:
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 loss = loss_module(**inputs)["loss"] / stage.batch
             loss.backward()
             step_loss += loss.detach()
         for parameter in model.parameters():
-            torch.distributed.all_reduce(parameter.grad, group=group)
+            if parameter.grad is not None:
+                torch.distributed.all_reduce(parameter.grad, group=group)
         torch.distributed.all_reduce(step_loss, group=group)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

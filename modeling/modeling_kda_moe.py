@@ -1439,7 +1439,9 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         sequence_shard = None
         if self.context_parallel is not None:  # this rank's slice of sequences split across ranks
-            sequence_shard = self.context_parallel.shard(self.config, inputs_embeds, position_ids, attention_mask, cache)
+            sequence_shard = self.context_parallel.shard(
+                self.config, inputs_embeds, position_ids, attention_mask, cache
+            )
             position_ids, use_cache = sequence_shard.position_ids, False
         # A packed batch (one row, position ids restarting at 0 per sequence) resets KDA at every sequence start and
         # restricts MLA to each sequence; it holds several sequences, so it can neither continue nor fill a cache.

@@ -1,9 +1,10 @@
 """Context parallelism on CPU: 2 and 4 gloo processes (`torch.multiprocessing` spawn), each holding an equal slice
 of the same rows of a hybrid model (KDA, MLA with RoPE, KDA, MLA; AttnRes, LatentMoE with Quantile Balancing), in
-fp64 (MLA through sdpa on 2 ranks, eager on 4). Every rank checks its logits against its slice of a one-process run, the summed loss and the summed parameter
-gradients against that run's, and that every rank holds the same expert biases after the step. Rows: two plain rows,
-and packed rows whose documents start inside a slice (within the short conv's reach of the next slice), exactly at
-a slice edge, and run across two and three slices."""
+fp64, MLA through sdpa on 2 ranks and eager on 4. Every rank checks its logits against its slice of a one-process
+run, the summed loss and the summed parameter gradients against that run's, and that every rank holds the same
+expert biases after the step. Rows: two plain rows, and packed rows whose documents start inside a slice (within the
+short conv's reach of the next slice), exactly at a slice edge, and run across two and three slices. The KDA slice
+math alone runs on one process, on both backends."""
 
 import os
 
