@@ -175,6 +175,7 @@ def slice_transition(
     M_t = M_t I in the last K: its outputs are [D_t^T q_t | M_t^T q_t] (the output and the carried query) and its
     final state [D_T | M_T] (the transition). Given S_in, `continue_from` adds S_in^T (M_t^T q_t): the exact output,
     with no second pass, for K more value columns. The backward is autograd's through the kernel (either backend).
+    The carried query leaves the kernel in v's dtype, so under bf16 the correction has the output's own precision.
 
     Packed rows: only a first document that continues the previous slice's starts with the identity columns; a
     document that starts inside the slice starts from [0 | 0], so its tokens get no correction, and when it is the
