@@ -2,6 +2,7 @@
 
     python examples/context_extension.py --model path/to/8k-pretrained --output-dir outputs/context  # the recipe
     python examples/context_extension.py --scale-down                                                # CPU smoke test
+    torchrun --nproc-per-node 4 examples/context_extension.py --scale-down             # context parallel, 4 ranks
 
 Each stage is (sequence length, batch, steps, learning rate): `batch` packed rows of `seq_len` tokens per optimizer
 step (one row per forward, the others by gradient accumulation; multiply by the data-parallel world size under
@@ -13,6 +14,12 @@ padding). Gradient checkpointing recomputes the layer activations in the backwar
 previous stage's `save_pretrained` folder (router biases included) with `max_position_embeddings` raised to its
 length; the default NoPE MLA needs no RoPE rescaling.
 
+Launched by `torchrun` (WORLD_SIZE > 1), the example trains with context parallelism instead: every rank reads the
+same rows and holds an equal slice of each (`kda_moe.distributed`: KDA passes its state from slice to slice, MLA
+gathers the latent keys), the ranks sum their gradients and take the same optimizer step. A 1M-token row then needs
+only 1M / world tokens of activations per GPU. (Data parallelism over several such groups is the next dimension of
+the mesh; this example keeps one group.)
+
 The stage lengths are the article's; batch / steps / learning rates below are a starting point to tune, not values
 it gives. The documents here are windows of the bundled demo corpus, a stand-in for a long-document mixture.
 """
@@ -20,6 +27,7 @@ it gives. The documents here are windows of the bundled demo corpus, a stand-in 
 import argparse
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -111,10 +119,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def chunked_causal_lm_loss(hidden_states, lm_head_weight, labels, num_items_in_batch=None, chunk_size: int = 1024):
-    """The causal LM loss of transformers (`labels` shifted by one inside, -100 ignored, mean over scored tokens or
-    divided by `num_items_in_batch`), from hidden states [B, T, d] and `lm_head.weight` [V, d]."""
-    targets = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1).to(hidden_states.device)
+def chunked_causal_lm_loss(
+    hidden_states, lm_head_weight, labels, num_items_in_batch=None, chunk_size: int = 1024, shift_labels=None
+):
+    """The causal LM loss of transformers (`labels` shifted by one inside, or `shift_labels` as given; -100 ignored,
+    mean over scored tokens or divided by `num_items_in_batch`), from hidden states [B, T, d] and `lm_head.weight`
+    [V, d]."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
     total = ChunkedLinearCrossEntropy.apply(hidden_states.reshape(-1, hidden_states.shape[-1]), lm_head_weight, targets, chunk_size)
     count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
     if torch.is_tensor(count):
@@ -132,10 +145,12 @@ class ChunkedLossCausalLM(nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, labels, position_ids=None, num_items_in_batch=None, **kwargs):
+    def forward(self, input_ids, labels, position_ids=None, num_items_in_batch=None, shift_labels=None, **kwargs):
         kwargs.pop("attention_mask", None)  # packed rows carry their boundaries in position_ids
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
-        loss = chunked_causal_lm_loss(hidden, self.lm.lm_head.weight, labels, num_items_in_batch, self.chunk_size)
+        loss = chunked_causal_lm_loss(
+            hidden, self.lm.lm_head.weight, labels, num_items_in_batch, self.chunk_size, shift_labels=shift_labels
+        )
         return {"loss": loss}
 
 
@@ -197,14 +212,10 @@ def tiny_model(tokenizer):
     return KdaMoeForCausalLM(config)
 
 
-def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, chunk_size: int, progress: bool):
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+def train_with_trainer(model, rows, stage: Stage, index: int, output_dir: Path, chunk_size: int, progress: bool):
+    """One stage with `Trainer` (one process, or data parallel under `accelerate launch`). Returns the step losses."""
+    from transformers import Trainer, TrainingArguments
 
-    model = AutoModelForCausalLM.from_pretrained(init_from) if isinstance(init_from, (str, Path)) else init_from
-    model.config.max_position_embeddings = max(model.config.max_position_embeddings, stage.seq_len)
-    getattr(model, f"{CHECKPOINTING}_enable")({"use_reentrant": False})  # the wrapper below hides it from Trainer
-    model.train()
-    rows = packed_rows(corpus_tokens(tokenizer, 4 * stage.seq_len), stage.seq_len, stage.batch * stage.steps, seed=index)
     args = TrainingArguments(
         output_dir=str(output_dir / f"stage-{index}-trainer"),
         max_steps=stage.steps,
@@ -225,13 +236,72 @@ def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, 
     )
     trainer = Trainer(model=ChunkedLossCausalLM(model, chunk_size), args=args, train_dataset=rows, data_collator=PackedRowCollator())
     trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def train_context_parallel(model, rows, stage: Stage, chunk_size: int, group):
+    """One stage with every row split across the ranks of `group`. Every rank reads the same rows and computes its
+    slice's share of each row's loss (sum / the row's scored tokens); summing the gradients over the ranks gives the
+    gradient of the whole rows, so every rank takes the same AdamW step (cosine schedule and clipping as Trainer's).
+    Returns the step losses."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from kda_moe.distributed import context_parallel, shard_batch
+
+    context_parallel(model, group)
+    device = next(model.parameters()).device
+    loss_module = ChunkedLossCausalLM(model, chunk_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=stage.learning_rate, weight_decay=0.0)  # Trainer's default
+    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, stage.steps // 20), stage.steps)
+    collate, losses = PackedRowCollator(), []
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()  # as Trainer's bf16 switch
+    for step in range(stage.steps):
+        step_loss = torch.zeros((), device=device)
+        for row in rows[step * stage.batch : (step + 1) * stage.batch]:
+            inputs = {name: value.to(device) for name, value in shard_batch(collate([row]), group).items()}
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                loss = loss_module(**inputs)["loss"] / stage.batch
+            loss.backward()
+            step_loss += loss.detach()
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                torch.distributed.all_reduce(parameter.grad, group=group)
+        torch.distributed.all_reduce(step_loss, group=group)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(step_loss.item())
+    context_parallel(model, None)
+    return losses
+
+
+def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, chunk_size: int, progress: bool,
+              group=None):  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(init_from) if isinstance(init_from, (str, Path)) else init_from
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, stage.seq_len)
+    getattr(model, f"{CHECKPOINTING}_enable")({"use_reentrant": False})  # the wrapper below hides it from Trainer
+    model.train()
+    rows = packed_rows(corpus_tokens(tokenizer, 4 * stage.seq_len), stage.seq_len, stage.batch * stage.steps, seed=index)
+    if group is None:
+        losses = train_with_trainer(model, rows, stage, index, output_dir, chunk_size, progress)
+    else:
+        model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+        losses = train_context_parallel(model, rows, stage, chunk_size, group)
     stage_dir = output_dir / f"stage-{index}-{stage.seq_len}"
-    model.save_pretrained(stage_dir)
-    tokenizer.save_pretrained(stage_dir)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    main_process = group is None or torch.distributed.get_rank() == 0
+    model.save_pretrained(stage_dir, is_main_process=main_process)
+    if main_process:
+        tokenizer.save_pretrained(stage_dir)
+    if group is not None:
+        torch.distributed.barrier()  # the next stage loads the folder on every rank
     documents = sum(len(row["documents"]) for row in rows)
-    print(f"stage {index}: {stage.seq_len} tokens x {stage.batch} rows x {stage.steps} steps, lr {stage.learning_rate}, "
-          f"{documents / len(rows):.1f} documents per row, loss {losses[0]:.3f} -> {losses[-1]:.3f}, saved to {stage_dir}")
+    if main_process:
+        print(f"stage {index}: {stage.seq_len} tokens x {stage.batch} rows x {stage.steps} steps, lr "
+              f"{stage.learning_rate}, {documents / len(rows):.1f} documents per row, loss {losses[0]:.3f} -> "
+              f"{losses[-1]:.3f}, saved to {stage_dir}")  # fmt: skip
     return {
         **asdict(stage),
         "init_from": str(init_from) if isinstance(init_from, (str, Path)) else "fresh model",
@@ -239,6 +309,7 @@ def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, 
         "losses": losses,
         "documents_per_row": documents / len(rows),
         "gradient_checkpointing": getattr(model, f"is_{CHECKPOINTING}"),
+        "context_parallel_ranks": 1 if group is None else torch.distributed.get_world_size(group),
     }
 
 
@@ -270,11 +341,21 @@ def main(argv=None) -> list[dict]:
     else:
         init_from = KdaMoeForCausalLM(KdaMoeTextConfig(vocab_size=len(tokenizer)))
     output_dir = Path(args.output_dir)
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one sequence split across every rank
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        group = torch.distributed.group.WORLD
     results = []
     for index, stage in enumerate(stages):
-        results.append(run_stage(index, stage, init_from, tokenizer, output_dir, chunk_size, not args.no_progress_bar))
+        progress = not args.no_progress_bar
+        results.append(run_stage(index, stage, init_from, tokenizer, output_dir, chunk_size, progress, group))
         init_from = results[-1]["saved_to"]  # the next stage continues from this stage's checkpoint
-    (output_dir / "stages.json").write_text(json.dumps(results, indent=2))
+    if group is None or torch.distributed.get_rank() == 0:
+        (output_dir / "stages.json").write_text(json.dumps(results, indent=2))
+    if group is not None:
+        torch.distributed.destroy_process_group()
     return results
 
 

@@ -254,6 +254,7 @@ class KdaMoeAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
+        sequence_shard=None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len = hidden_states.shape[:2]
@@ -271,6 +272,8 @@ class KdaMoeAttention(nn.Module):
         k_rope = k_rope.view(batch_size, 1, seq_len, self.qk_rope_head_dim)
         if position_embeddings is not None:
             q_rope, k_rope = apply_rotary_pos_emb(q_rope, k_rope, *position_embeddings)
+        if sequence_shard is not None:  # context parallelism: the latent keys of every token up to this slice's end
+            latent, k_rope = sequence_shard.gather_keys(latent, k_rope)
 
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, self.layer_idx)  # [B, 1, S, kv_lora], [B, 1, S, rope]
@@ -666,8 +669,12 @@ class KdaMoeDeltaAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        sequence_shard=None,
         **kwargs,
     ) -> torch.Tensor:
+        """`sequence_shard` (context parallelism, `kda_moe.distributed`): this forward holds one slice of a sequence
+        split across ranks; the conv reads the previous slice's last inputs and the delta rule continues the state of
+        every earlier slice."""
         batch_size, seq_len = hidden_states.shape[:2]
 
         gate_logits = self.f_b_proj(self.f_a_proj(hidden_states))
@@ -696,6 +703,8 @@ class KdaMoeDeltaAttention(nn.Module):
             conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
             recorded = 0
         conv_weight = self.conv1d.weight.squeeze(1)  # [3 * H * K, kernel]
+        if sequence_shard is not None:
+            conv_state = sequence_shard.conv_history(conv_inputs, conv_weight.shape[1])
         token_states = None
         if conv_state is not None and seq_len == 1 and not recorded and not torch.is_grad_enabled():
             # decoding (generate() runs without autograd): one token per sequence; the conv, the KDA step and the gated
@@ -733,6 +742,10 @@ class KdaMoeDeltaAttention(nn.Module):
             if recorded:
                 core_attn_out, token_states = self.delta_rule_with_token_states(kda_inputs, recurrent_state, recorded)
                 recurrent_state = token_states[-1]
+            elif sequence_shard is not None:
+                core_attn_out = sequence_shard.delta_rule(
+                    *kda_inputs, gate_lower_bound=self.gate_lower_bound, backend=self.backend
+                )
             else:
                 core_attn_out, recurrent_state = kimi_delta_attention(
                     *kda_inputs,
@@ -1171,6 +1184,7 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        sequence_shard=None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         partial, blocks = hidden_states, attn_res_blocks
@@ -1180,11 +1194,18 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 
         normed = self.input_layernorm(mixed)
         if self.layer_type == "linear_attention":
-            update = self.self_attn(normed, attention_mask=attention_mask, cache=cache, cu_seqlens=cu_seqlens)
+            update = self.self_attn(
+                normed, attention_mask=attention_mask, cache=cache, cu_seqlens=cu_seqlens, sequence_shard=sequence_shard
+            )
             attn_weights = None
         else:
             update, attn_weights = self.self_attn(
-                normed, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache, **kwargs
+                normed,
+                attention_mask=attention_mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                sequence_shard=sequence_shard,
+                **kwargs,
             )
         self.attention_weights(attn_weights)
         partial = update if self.starts_block else partial + update
@@ -1488,6 +1509,9 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         uses_rope = not config.mla_use_nope and "full_attention" in config.layer_types
         self.rotary_emb = KdaMoeRotaryEmbedding(config) if uses_rope else None
         self.gradient_checkpointing = False
+        # set by `kda_moe.distributed.context_parallel`: each forward then holds one slice of a sequence split across
+        # the ranks of its process group
+        self.context_parallel = None
         self.post_init()
 
     @merge_with_config_defaults
@@ -1506,9 +1530,18 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         check_text_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        sequence_shard = None
+        if self.context_parallel is not None:  # this rank's slice of sequences split across ranks
+            sequence_shard = self.context_parallel.shard(
+                self.config, inputs_embeds, position_ids, attention_mask, cache
+            )
+            position_ids, use_cache = sequence_shard.position_ids, False
         # A packed batch (one row, position ids restarting at 0 per sequence) resets KDA at every sequence start and
         # restricts MLA to each sequence; it holds several sequences, so it can neither continue nor fill a cache.
-        cu_seqlens = packed_sequence_boundaries(position_ids, inputs_embeds.shape[0])
+        if sequence_shard is None:
+            cu_seqlens = packed_sequence_boundaries(position_ids, inputs_embeds.shape[0])
+        else:
+            cu_seqlens = sequence_shard.cu_seqlens
         if cu_seqlens is not None and cache is not None:
             raise ValueError(
                 "position_ids restart at 0 inside the row (a packed batch of several sequences), but a cache was "
@@ -1528,7 +1561,9 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        if not isinstance(mask_mapping := attention_mask, dict):
+        if sequence_shard is not None:
+            mask_mapping = sequence_shard.layer_masks(self.config, inputs_embeds.dtype)
+        elif not isinstance(mask_mapping := attention_mask, dict):
             mask_mapping = layer_type_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
@@ -1541,6 +1576,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
                 position_embeddings=position_embeddings,
                 cache=cache,
                 cu_seqlens=cu_seqlens,
+                sequence_shard=sequence_shard,
                 position_ids=position_ids,
                 **kwargs,
             )

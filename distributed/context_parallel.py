@@ -1,0 +1,366 @@
+"""Context parallelism: one long sequence split into equal contiguous slices across the ranks of a process group.
+
+    model = context_parallel(model, group)          # or a DeviceMesh (its "cp" dimension, or a 1-D mesh)
+    inputs = shard_batch(batch, group)              # this rank's slice of input_ids / position_ids / labels
+    loss = model(**inputs).loss                     # this rank's share: the global loss is the sum over ranks
+    loss.backward()                                 # then sum the parameter gradients over the group
+
+What each part of the model needs from the other ranks, and how it gets it (with the matching backward):
+- KDA: the state its first token continues from. Every rank runs its slice from a zero state and also computes the
+  slice's affine state transition; the ranks all-gather the transitions (K x (K + V) per head), compose them up to
+  their own slice and correct their outputs exactly (`slice_transition` has the math).
+- The short conv before KDA: the previous rank's last `kernel - 1` conv inputs (all-gathered tails).
+- MLA: the keys of every earlier token. The ranks all-gather the compressed latent and the rope key
+  (`kv_lora_rank + qk_rope_head_dim` values per token) and attend under a causal mask offset by the slice start.
+- Block AttnRes, the MLPs and the experts are token-local. Quantile Balancing already pools its statistics over every
+  rank of the default process group, which holds the context-parallel group.
+
+Packed rows (one row of several documents, position ids restarting at 0 at each document) work as on one process:
+a document start inside a slice or exactly at a slice edge cuts the KDA state, the conv history and MLA attention.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..kernels.kda import kimi_delta_attention
+
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take the offset causal mask as an explicit 4-D mask
+
+
+class _GatherFromRanks(torch.autograd.Function):
+    """Every rank's `tensor` stacked [world, *tensor.shape]; the backward sums the gradients the ranks computed for a
+    rank's slice and hands it to that rank."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        gathered = tensor.new_empty(dist.get_world_size(group), *tensor.shape)
+        dist.all_gather(list(gathered.unbind(0)), tensor.contiguous(), group=group)
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            own = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(own, grad, group=ctx.group)
+            return own, None
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def gather_from_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[*shape] on every rank -> [world, *shape], differentiable (the gradient goes back to the rank it came from)."""
+    return _GatherFromRanks.apply(tensor, group)
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's slice of the row(s) of one forward, and what its layers need to join the other slices.
+
+    rank: the place in the context-parallel `group`; start: the slice's first global token index (every
+    slice holds the same number of tokens); position_ids [B, T]: the slice's global position ids (RoPE);
+    sequence_ids [B, world * T]: the document every global token belongs to (all 0 unless the row is packed);
+    cu_seqlens [N + 1]: the local document boundaries of a packed row (else None), the first local document possibly
+    the continuation of the previous rank's last one; continues: whether the slice's first token continues the
+    previous rank's document.
+    """
+
+    group: "dist.ProcessGroup"
+    rank: int
+    start: int
+    position_ids: torch.Tensor
+    sequence_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    continues: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.position_ids.shape[1]
+
+    def layer_masks(self, config, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+        """The mask each layer type reads: none for KDA (no padding); for MLA the keys each query sees."""
+        masks = {"linear_attention": None}
+        if "full_attention" in config.layer_types:
+            masks["full_attention"] = self.attention_mask(config._attn_implementation, dtype)
+        return masks
+
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """MLA's mask [B, 1, T, end] over the keys of the global tokens before this slice's end: a query at global
+        index i sees key j <= i of its own document. Boolean (True = attend) for sdpa, additive in `dtype` for eager.
+        Dense, so it grows with slice x sequence length (a ring or a varlen attention kernel would not need it)."""
+        queries = torch.arange(self.start, self.end, device=self.sequence_ids.device)
+        keys = torch.arange(self.end, device=self.sequence_ids.device)
+        causal = keys[None, :] <= queries[:, None]  # [T, end]
+        same_document = self.sequence_ids[:, queries, None] == self.sequence_ids[:, None, : self.end]  # [B, T, end]
+        allowed = (causal & same_document)[:, None]
+        if attn_implementation == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    def gather_keys(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's compressed keys of every global token before this slice's end.
+
+        latent [B, 1, T, kv_lora], k_rope [B, 1, T, rope] (already rotated at the global positions) ->
+        [B, 1, end, kv_lora], [B, 1, end, rope]; one all-gather of both."""
+        keys = gather_from_ranks(torch.cat([latent, k_rope], dim=-1), self.group)  # [world, B, 1, T, kv_lora + rope]
+        keys = keys.movedim(0, 2).flatten(2, 3)[:, :, : self.end]  # [B, 1, end, kv_lora + rope]
+        return keys.split([latent.shape[-1], k_rope.shape[-1]], dim=-1)
+
+    def conv_history(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor | None:
+        """The short conv's initial state: the previous rank's last `kernel_size - 1` conv inputs, zero where they
+        belong to another document than this slice's first token (always on rank 0).
+
+        conv_inputs [B, T, C] -> [B, C, W - 1], or [N, C, W - 1] for a packed row (zeros for the documents that
+        start inside the slice)."""
+        width = kernel_size - 1
+        if width == 0:
+            return None
+        tails = gather_from_ranks(conv_inputs[:, conv_inputs.shape[1] - width :], self.group)  # [world, B, W-1, C]
+        history = tails[self.rank - 1]  # rank 0 reads the last rank's tail, masked out below
+        indices = torch.arange(self.start - width, self.start, device=history.device)
+        same_document = self.sequence_ids[:, indices.clamp_min(0)] == self.sequence_ids[:, self.start, None]
+        history = history.masked_fill(~(same_document & (indices >= 0))[..., None], 0.0).mT  # [B, C, W-1]
+        if self.cu_seqlens is not None:
+            later = history.new_zeros(len(self.cu_seqlens) - 2, *history.shape[1:])
+            history = torch.cat([history, later])
+        return history
+
+    def delta_rule(self, *kda_inputs: torch.Tensor, gate_lower_bound: float | None, backend: str) -> torch.Tensor:
+        """`kimi_delta_attention` over this slice as if it continued from every earlier slice: kda_inputs are its
+        (q, k, v, g, beta, A_log, dt_bias); returns o [B, T, H, V]. See `slice_transition` for the math.
+
+        Every rank composes all the transitions (world - 1 small matmuls) and picks its own incoming state, so that
+        each rank's graph reaches the all-gather and every rank joins its backward (rank 0 included)."""
+        output, carried_query, transition = slice_transition(
+            *kda_inputs, continues=self.continues, cu_seqlens=self.cu_seqlens, gate_lower_bound=gate_lower_bound,
+            backend=backend,
+        )  # fmt: skip
+        incoming = incoming_states(gather_from_ranks(transition, self.group))[self.rank]
+        return continue_from(output, carried_query, incoming)
+
+
+def slice_transition(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    continues: bool,
+    cu_seqlens: torch.Tensor | None = None,
+    gate_lower_bound: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA over one slice of a longer sequence, from a zero state, with what it needs to continue any incoming state.
+
+    Arguments as `kimi_delta_attention` (cu_seqlens: the slice's document boundaries, its first document the
+    continuation of the previous slice's when `continues`). Returns (output [B, T, H, V] from a zero incoming state,
+    carried_query [B, T, H, K], transition [B, H, K, V + K] = [D | M] of the slice's last document).
+
+    The math. Per token the gated delta rule is affine in the state S [K, V]:
+        S_t = A_t S_{t-1} + b_t,   A_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) [K, K],   b_t = beta_t k_t v_t^T.
+    Over the slice, S_t = M_t S_in + D_t with M_t = A_t ... A_1 and D_t the state reached from S_in = 0, so the
+    outputs o_t = S_t^T q_t (q scaled) split into the slice's own part and a term linear in the incoming state:
+        o_t = D_t^T q_t + S_in^T (M_t^T q_t).
+    The recurrence treats every column of S (one value channel) on its own, so one run of the chunked kernel over the
+    values [v | 0] ([K, V + K] state) from the initial state [0 | I] carries D_t in the first V columns and
+    M_t = M_t I in the last K: its outputs are [D_t^T q_t | M_t^T q_t] (the output and the carried query) and its
+    final state [D_T | M_T] (the transition). Given S_in, `continue_from` adds S_in^T (M_t^T q_t): the exact output,
+    with no second pass, for K more value columns. The backward is autograd's through the kernel (either backend).
+    The carried query leaves the kernel in v's dtype, so under bf16 the correction has the output's own precision.
+
+    Packed rows: only a first document that continues the previous slice's starts with the identity columns; a
+    document that starts inside the slice starts from [0 | 0], so its tokens get no correction, and when it is the
+    slice's last one M_T = 0: the state passed on does not depend on the earlier slices.
+    """
+    batch_size, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    sequences = batch_size if cu_seqlens is None else len(cu_seqlens) - 1
+    values = torch.cat([v, v.new_zeros(batch_size, seq_len, heads, key_dim)], dim=-1)  # [B, T, H, V + K]
+    initial_state = q.new_zeros(sequences, heads, key_dim, value_dim + key_dim, dtype=torch.float32)
+    if continues:
+        continued = initial_state[:1] if cu_seqlens is not None else initial_state
+        continued[..., value_dim:] = torch.eye(key_dim, dtype=torch.float32, device=q.device)
+    output, final_state = kimi_delta_attention(
+        q, k, values, g, beta, A_log, dt_bias, gate_lower_bound=gate_lower_bound, initial_state=initial_state,
+        output_final_state=True, cu_seqlens=cu_seqlens, backend=backend,
+    )  # fmt: skip
+    output, carried_query = output.split([value_dim, key_dim], dim=-1)
+    transition = final_state if cu_seqlens is None else final_state[-1:]
+    return output, carried_query, transition
+
+
+def incoming_states(transitions: torch.Tensor) -> torch.Tensor:
+    """The state every slice starts from: transitions [slices, B, H, K, V + K] ([D | M] of each slice, in order) ->
+    [slices, B, H, K, V], from S_in(0) = 0 through S_in(r + 1) = M_r S_in(r) + D_r."""
+    key_dim = transitions.shape[-2]
+    value_dim = transitions.shape[-1] - key_dim
+    states = [transitions.new_zeros(transitions.shape[1:-1] + (value_dim,))]
+    for contribution, carry in (t.split([value_dim, key_dim], dim=-1) for t in transitions[:-1].unbind(0)):
+        states.append(carry @ states[-1] + contribution)
+    return torch.stack(states)
+
+
+def continue_from(output: torch.Tensor, carried_query: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+    """A slice's exact output given its incoming state [B, H, K, V]: output + S_in^T (M_t^T q_t), in output's dtype."""
+    correction = torch.einsum("bthk,bhkv->bthv", carried_query.to(incoming.dtype), incoming)
+    return (output + correction).to(output.dtype)
+
+
+class ContextParallel:
+    """The context-parallel process group of a text model; `shard` describes each forward's slice."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def shard(
+        self, config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache
+    ) -> SequenceShard:
+        """Check a forward's inputs and build its `SequenceShard` (two small all-gathers: the slice lengths and the
+        position ids)."""
+        if cache is not None:
+            raise ValueError(
+                "context parallelism splits one sequence across ranks for training or scoring and keeps no cache: "
+                "pass use_cache=False (and no cache), or undo it with `context_parallel(model, None)` to generate."
+            )
+        if attention_mask is not None:
+            raise ValueError(
+                "context parallelism takes no attention_mask: give each rank its slice of unpadded or packed rows "
+                "(position ids restarting at 0 per document) with `shard_batch`, which drops the mask."
+            )
+        if "full_attention" in config.layer_types and config._attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"context parallelism runs MLA layers with attn_implementation in {ATTENTION_IMPLEMENTATIONS} (an "
+                f"explicit causal mask offset by the slice start), got {config._attn_implementation!r}."
+            )
+        group = self.group
+        rank = dist.get_rank(group)
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        shapes = gather_from_ranks(torch.tensor([batch_size, seq_len], device=device), group).tolist()
+        if any(shape != [batch_size, seq_len] for shape in shapes):
+            raise ValueError(
+                f"context parallelism needs the same [batch, tokens] slice on every rank, got {shapes}: split each "
+                "row into equal slices (`shard_batch` does; pad the row to a multiple of the group size)."
+            )
+        if seq_len < config.linear_conv_kernel_dim:
+            raise ValueError(
+                f"each rank's slice holds {seq_len} tokens, fewer than linear_conv_kernel_dim = "
+                f"{config.linear_conv_kernel_dim} (the short conv reads its history from one previous rank): use "
+                "fewer ranks or longer rows."
+            )
+        start = rank * seq_len
+        if position_ids is None:
+            position_ids = torch.arange(start, start + seq_len, device=device)[None]
+        position_ids = position_ids.expand(batch_size, seq_len)
+        global_positions = gather_from_ranks(position_ids, group).movedim(0, 1).flatten(1)  # [B, world * T]
+        restarts = global_positions[:, 1:] == 0
+        if batch_size > 1 and bool(restarts.any()):
+            raise ValueError(
+                "position ids restart at 0 inside a row of a batch of several rows; packed rows need batch size 1 "
+                "(as on one process): flatten the batch into one row."
+            )
+        # the rule of one process: a row is packed when its position ids start at 0 and restart later
+        packed = batch_size == 1 and bool(global_positions[0, 0] == 0) and bool(restarts.any())
+        sequence_ids = (global_positions == 0).cumsum(-1) if packed else torch.zeros_like(global_positions)
+        cu_seqlens = None
+        if packed:
+            local_starts = torch.nonzero(position_ids[0] == 0).flatten()
+            cu_seqlens = torch.cat([
+                torch.zeros(1, dtype=torch.int64, device=device), local_starts[local_starts > 0],
+                torch.full((1,), seq_len, dtype=torch.int64, device=device),
+            ])  # fmt: skip
+        continues = rank > 0 and bool((sequence_ids[:, start] == sequence_ids[:, start - 1]).all())
+        return SequenceShard(group, rank, start, position_ids, sequence_ids, cu_seqlens, continues)
+
+
+def _context_parallel_group(mesh_or_group):
+    """A DeviceMesh's "cp" dimension (or its only one), or a process group as is."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh_or_group, DeviceMesh):
+        return mesh_or_group
+    if mesh_or_group.ndim == 1:
+        return mesh_or_group.get_group()
+    if "cp" not in (mesh_or_group.mesh_dim_names or ()):
+        raise ValueError(
+            f"a DeviceMesh of {mesh_or_group.ndim} dimensions needs one named 'cp' for context parallelism, got "
+            f"{mesh_or_group.mesh_dim_names}; pass mesh['cp'] or the process group."
+        )
+    return mesh_or_group.get_group("cp")
+
+
+def context_parallel(model: torch.nn.Module, mesh_or_group) -> torch.nn.Module:
+    """Split every forward's sequence across `mesh_or_group` (a process group, a 1-D DeviceMesh or a mesh with a
+    "cp" dimension): each rank passes its slice (see `shard_batch`). `None` undoes it. Returns the model.
+
+    Applies to every kda-moe text model inside `model` (a causal LM, the multimodal model's language model, a
+    wrapper around either)."""
+    from ..modeling.modeling_kda_moe import KdaMoeTextModel
+
+    text_models = [module for module in model.modules() if isinstance(module, KdaMoeTextModel)]
+    if not text_models:
+        raise ValueError(f"context_parallel found no KdaMoeTextModel inside {type(model).__name__}.")
+    group = _context_parallel_group(mesh_or_group)
+    for text_model in text_models:
+        text_model.context_parallel = None if group is None else ContextParallel(group)
+    return model
+
+
+def shard_batch(batch: dict, group) -> dict:
+    """This rank's slice of a batch of whole rows (input_ids [B, L], optional labels and position_ids, e.g. from
+    `DataCollatorWithFlattening`) for a model under `context_parallel`.
+
+    Returns input_ids, position_ids (global), labels, shift_labels (the labels shifted by one over the whole row,
+    so a slice's last token is scored against the next slice's first) and num_items_in_batch (the scored tokens of
+    the whole row). transformers' causal LM loss then gives each rank its share (sum / num_items_in_batch): the loss
+    of the whole row is the sum over the ranks, and so are the gradients. L must be a multiple of the group size."""
+    group = _context_parallel_group(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    input_ids = batch["input_ids"]
+    length = input_ids.shape[-1]
+    if length % world_size:
+        raise ValueError(
+            f"rows of {length} tokens do not split into {world_size} equal slices: pad them to a multiple of "
+            f"{world_size} (e.g. pad_to_multiple_of, or one more packed document)."
+        )
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "shard_batch takes unpadded rows (context parallelism runs without attention_mask): pack the documents "
+            "into one row with position ids restarting at 0 (DataCollatorWithFlattening) instead of padding."
+        )
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+    own = slice(rank * (length // world_size), (rank + 1) * (length // world_size))
+    shard = {"input_ids": input_ids[:, own], "position_ids": position_ids[:, own]}
+    labels = batch.get("labels")
+    if labels is not None:
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        shard.update(
+            labels=labels[:, own],
+            shift_labels=shift_labels[:, own].contiguous(),
+            num_items_in_batch=(shift_labels != -100).sum(),
+        )
+    return shard
+
+
+__all__ = [
+    "ContextParallel",
+    "SequenceShard",
+    "context_parallel",
+    "continue_from",
+    "gather_from_ranks",
+    "incoming_states",
+    "shard_batch",
+    "slice_transition",
+]

@@ -1,0 +1,198 @@
+"""Context parallelism on CPU: 2 and 4 gloo processes (`torch.multiprocessing` spawn), each holding an equal slice
+of the same rows of a hybrid model (KDA, MLA with RoPE, KDA, MLA; AttnRes, LatentMoE with Quantile Balancing), in
+fp64, MLA through sdpa on 2 ranks and eager on 4. Every rank checks its logits against its slice of a one-process
+run, the summed loss and the summed parameter gradients against that run's, and that every rank holds the same
+expert biases after the step. Rows: two plain rows, and packed rows whose documents start inside a slice (within the
+short conv's reach of the next slice), exactly at a slice edge, and run across two and three slices. The KDA slice
+math alone runs on one process, on both backends."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from conftest import tiny_config
+
+from kda_moe.kernels.backend import TRITON_AVAILABLE
+from kda_moe.kernels.kda import kimi_delta_attention
+
+ROW_LENGTH = 32
+# documents of one packed row (lengths); None: two plain rows
+ROWS = {
+    "plain rows": None,
+    # starts at 3 and 14: 14 lies in the short conv's history (13..15) of the slice that starts at 16, which
+    # continues that document (on 4 ranks it runs across three slices)
+    "document start inside a slice": [3, 11, 18],
+    # starts at 5, 16 (a slice edge for 2 and 4 ranks) and 21 (inside a slice)
+    "document start at a slice edge": [5, 11, 5, 11],
+}
+
+
+@pytest.mark.parametrize(
+    "backend, packed",
+    [
+        ("torch", False),
+        ("torch", True),
+        pytest.param("triton", True, marks=pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed")),
+    ],
+)
+def test_slices_continued_from_composed_transitions_equal_one_pass(backend, packed):
+    """One sequence cut into 3 slices of 16 tokens, each run from a zero state (`slice_transition`), continued from
+    the composition of the earlier slices' transitions: the outputs and every input's gradient of one pass. Packed:
+    documents start inside the first slice (10) and at the third slice's edge (32)."""
+    from kda_moe.distributed.context_parallel import continue_from, incoming_states, slice_transition
+
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(1, 48, 2, 16)] * 4 + [(1, 48, 2), (2,), (32,)]  # q, k, v, g, beta [B, T, H(, K)]; A_log [H]; dt_bias
+    leaves = [torch.randn(shape, generator=generator, dtype=dtype).requires_grad_() for shape in shapes]
+    options = dict(gate_lower_bound=-5.0, backend=backend)
+    boundaries = [0, 10, 32, 48] if packed else [0, 48]
+    whole = torch.tensor(boundaries) if packed else None
+    per_slice = {0: ([0, 10, 16], False), 1: ([0, 16], True), 2: ([0, 16], False)} if packed else None
+
+    summaries = []
+    for index in range(3):
+        cut = [t[:, 16 * index : 16 * (index + 1)] for t in leaves[:5]]
+        cu_seqlens, continues = per_slice[index] if packed else (None, index > 0)
+        cu_seqlens = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+        summaries.append(slice_transition(*cut, *leaves[5:], continues=continues, cu_seqlens=cu_seqlens, **options))
+    incoming = incoming_states(torch.stack([transition for *_, transition in summaries]))
+    output = torch.cat([continue_from(o, q, s) for (o, q, _), s in zip(summaries, incoming)], dim=1)
+    cotangent = torch.randn_like(output)
+    grads = torch.autograd.grad((output * cotangent).sum(), leaves)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    expected = kimi_delta_attention(*ref_leaves, cu_seqlens=whole, gate_lower_bound=-5.0, backend="torch")[0]
+    expected_grads = torch.autograd.grad((expected * cotangent.double()).sum(), ref_leaves)
+    # against the fp64 reference: the torch path in fp64; the kernels in fp32, whose gate gradient rounds its score
+    # operands to tf32 (tests/test_triton_interpret.py holds it to fp32 precision with tf32x3 launches)
+    output_tolerance, grad_tolerance = (1e-10, 1e-8) if backend == "torch" else (1e-5, 5e-3)
+    assert rel(output, expected) < output_tolerance
+    for name, grad, expected_grad in zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias"), grads, expected_grads):
+        assert rel(grad, expected_grad) < grad_tolerance, name
+
+
+def rel(actual, expected):
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def hybrid_config():
+    return tiny_config(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mla_use_nope=False,  # RoPE at the global positions
+        attn_res_block_size=2,
+        router_balancing="quantile",
+        experts_implementation="eager",  # grouped_mm takes no fp64
+    )
+
+
+def row_inputs(documents, vocab_size):
+    generator = torch.Generator().manual_seed(len(documents or ()))
+    if documents is None:
+        input_ids = torch.randint(1, vocab_size, (2, ROW_LENGTH), generator=generator)
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+    assert sum(documents) == ROW_LENGTH
+    input_ids = torch.randint(1, vocab_size, (1, ROW_LENGTH), generator=generator)
+    position_ids = torch.cat([torch.arange(length) for length in documents])[None]
+    labels = input_ids.masked_fill(position_ids == 0, -100)  # as DataCollatorWithFlattening: no target across documents
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+def gradients(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def check_context_parallel(model, reference, group, label):
+    """Every row of ROWS on `group` against the one-process run of `reference` (same weights, loaded here)."""
+    from kda_moe.distributed import shard_batch
+
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    for name, documents in ROWS.items():
+        name = f"{label}, {name}"
+        batch = row_inputs(documents, model.config.vocab_size)
+        reference.load_state_dict(model.state_dict())  # the same weights and expert biases
+        expected = reference(**batch)
+        expected.loss.backward()
+
+        output = model(**shard_batch(batch, group))
+        output.loss.backward()
+        loss = output.loss.detach().clone()
+        dist.all_reduce(loss, group=group)
+        for param in model.parameters():
+            dist.all_reduce(param.grad, group=group)
+
+        length = ROW_LENGTH // world_size
+        own = expected.logits[:, rank * length : (rank + 1) * length]
+        torch.testing.assert_close(output.logits, own, rtol=1e-5, atol=1e-9, msg=f"{name}: logits")
+        torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=0, msg=f"{name}: loss")
+        expected_grads, grads = gradients(reference), gradients(model)
+        assert grads.keys() == expected_grads.keys()
+        for param_name, grad in expected_grads.items():
+            torch.testing.assert_close(grads[param_name], grad, rtol=1e-5, atol=1e-9, msg=f"{name}: {param_name}")
+        for buffer_name, bias in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # pooled over every rank of the default group
+                everywhere = [torch.empty_like(bias) for _ in range(dist.get_world_size())]
+                dist.all_gather(everywhere, bias)
+                assert all(torch.equal(b, bias) for b in everywhere), f"{name}: {buffer_name} differs across ranks"
+                assert bias.abs().sum() > 0, f"{name}: {buffer_name} was not updated"
+        model.zero_grad()
+        reference.zero_grad()
+
+
+def check_bad_inputs(model, group):
+    """Inputs context parallelism cannot take raise a clear error on every rank (none waits in a collective)."""
+    from kda_moe import KdaMoeCache
+    from kda_moe.distributed import context_parallel, shard_batch
+
+    rank = dist.get_rank(group)
+    ids = torch.ones(1, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not split into 2 equal slices"):
+        shard_batch({"input_ids": torch.ones(1, 31, dtype=torch.long)}, group)
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with pytest.raises(ValueError, match="keeps no cache"):
+        model(input_ids=ids, use_cache=True, cache=KdaMoeCache(model.config))
+    with pytest.raises(ValueError, match="the same \\[batch, tokens\\] slice on every rank"):
+        model(input_ids=ids[:, : 16 - 8 * rank])
+    with pytest.raises(ValueError, match="fewer than linear_conv_kernel_dim"):
+        model(input_ids=ids[:, :2])
+    with pytest.raises(ValueError, match="packed rows need batch size 1"):
+        model(input_ids=ids.expand(2, -1), position_ids=torch.arange(16).remainder(6).expand(2, -1))
+    with pytest.raises(ValueError, match="needs one named 'cp'"):
+        context_parallel(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+
+
+def worker(rank, tmpdir):
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.distributed import context_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=4)
+    try:
+        torch.manual_seed(0)
+        model = KdaMoeForCausalLM(hybrid_config()).double().train()
+        reference = KdaMoeForCausalLM(hybrid_config()).double().train()
+        # two context-parallel groups of 2 ranks side by side (a data parallel x context parallel mesh), then one of 4
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        check_context_parallel(context_parallel(model, mesh), reference, mesh.get_group("cp"), "2 ranks")
+        check_bad_inputs(model, mesh.get_group("cp"))
+        for lm in (model, reference):  # the offset causal mask in both forms: boolean for sdpa, additive for eager
+            lm.config._attn_implementation = "eager"
+        check_context_parallel(context_parallel(model, dist.group.WORLD), reference, dist.group.WORLD, "4 ranks")
+
+        context_parallel(model, None)  # back to one process: whole rows, the one-process logits
+        reference.load_state_dict(model.state_dict())
+        batch = row_inputs(ROWS["document start at a slice edge"], model.config.vocab_size)
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=0, atol=0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_on_2_and_4_ranks_matches_one_process(tmp_path):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(worker, args=(str(tmp_path),), nprocs=4, join=True)
