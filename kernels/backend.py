@@ -31,6 +31,13 @@ def op_for_call(op: Callable, impl: Callable) -> Callable:
     return op if torch.is_grad_enabled() or torch.compiler.is_compiling() else impl
 
 
+def refuse_autograd(kernel: str, tensors, training_path: str) -> None:
+    """Decode kernels have no backward: raise, naming the fix, when one would be called on tensors that need grad."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(f"{kernel} has no backward: call it under torch.no_grad() (as generate() does), or run "
+                         f"{training_path} for training.")
+
+
 def resolve_backend(requested: str, *tensors: torch.Tensor | None, supported: bool = True) -> str:
     """Return ``"torch"`` or ``"triton"`` for one call of a public op on ``tensors``.
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import op_for_call, tl, triton
+from ..backend import op_for_call, refuse_autograd, tl, triton
 from .recurrent import delta_step, head_step_inputs
 from .tile_limits import require_triton_tiles
 
@@ -152,9 +152,7 @@ def kda_layer_decode_step_triton(qkv, conv_weight, conv_state, g, beta, A_log, d
     if conv_weight.shape[1] < 2:
         raise ValueError(f"the fused KDA decode step needs a conv kernel of width >= 2, got {conv_weight.shape[1]}.")
     inputs = (qkv, conv_weight, g, beta, A_log, dt_bias, gate, norm_weight)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise ValueError("the fused KDA decode step has no backward: call it under torch.no_grad() (as generate() "
-                         "does), or run the layer's sequence path for training.")
+    refuse_autograd("the fused KDA decode step", inputs, "the layer's sequence path")
     qkv, conv_weight, g, beta, A_log, dt_bias, gate, norm_weight = (t.contiguous() for t in inputs)
     scale = K ** -0.5 if scale is None else float(scale)
     lb = None if gate_lower_bound is None else float(gate_lower_bound)

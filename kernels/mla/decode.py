@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import op_for_call, tl, triton
+from ..backend import op_for_call, refuse_autograd, tl, triton
 from .limits import KERNEL_DTYPES
 
 MIN_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial output than on its cache tiles
@@ -202,9 +202,7 @@ def mla_decode_attention_triton(q_latent, q_rope, latent, k_rope, attention_mask
             "\"auto\", which runs other dtypes on the PyTorch path)."
         )
     inputs = (q_latent, q_rope, latent, k_rope)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise ValueError("the Triton MLA decode attention has no backward: call it under torch.no_grad() (as "
-                         "generate() does), or run the attention interface for training.")
+    refuse_autograd("the Triton MLA decode attention", inputs, "the attention interface")
     inputs = [t.to(latent.dtype) for t in inputs]  # the queries take the cache's dtype
     q_latent, q_rope, latent, k_rope = (t if t.stride(-1) == 1 else t.contiguous() for t in inputs)
     return op_for_call(mla_decode_attention_op, _decode_attention)(q_latent, q_rope, latent, k_rope, attention_mask,

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import op_for_call, tl, triton
+from ..backend import op_for_call, refuse_autograd, tl, triton
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
 
 
@@ -197,9 +197,7 @@ def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, d
             "experts_implementation) for more tokens, or pass matching contiguous weights."
         )
     inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise ValueError("the Triton MoE decode kernel has no backward: call it under torch.no_grad() (as generate() "
-                         "does), or run the experts module for training.")
+    refuse_autograd("the Triton MoE decode kernel", inputs, "the experts module")
     hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
     up_cap = None if up_cap is None else float(up_cap)
     return op_for_call(moe_decode_op, _decode)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind,
