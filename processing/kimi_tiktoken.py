@@ -4,7 +4,8 @@ Kimi K2, Kimi Linear and Kimi K3 publish their tokenizer as `tiktoken.model` (on
 BPE token) plus a `tokenizer_config.json` whose `added_tokens_decoder` names the special tokens, with remote code that
 runs it through `tiktoken`. `kimi_tiktoken_tokenizer(folder)` converts those files with transformers' own
 `TikTokenConverter` (byte-level BPE, merges recovered from the ranks), using Kimi's pre-tokenization pattern and
-Kimi's special-token ids, so the result encodes as Kimi's tokenizer does and saves as an ordinary `tokenizer.json`.
+Kimi's special-token ids, so the result encodes as Kimi's tokenizer does and saves as an ordinary `tokenizer.json`;
+it parses generated assistant turns with `KIMI_RESPONSE_TEMPLATE` (`tokenizer.parse_response`).
 transformers reads the rank file with the `tiktoken` package (`pip install kda-moe[k3]`).
 """
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from .processing_kda_moe import KIMI_RESPONSE_TEMPLATE
 
 TIKTOKEN_FILE = "tiktoken.model"
 # The pre-tokenization pattern of Kimi's `tokenization_kimi.py`: Han runs on their own, letters split by case (Han
@@ -97,6 +100,7 @@ def kimi_tiktoken_tokenizer(folder) -> PreTrainedTokenizerFast:
     template_file = folder / "chat_template.jinja"
     if "chat_template" not in kwargs and template_file.is_file():
         kwargs["chat_template"] = template_file.read_text(encoding="utf-8")
+    kwargs["response_template"] = config.get("response_template", KIMI_RESPONSE_TEMPLATE)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, **kwargs)
 
 

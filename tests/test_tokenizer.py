@@ -184,3 +184,87 @@ def test_kimi_tokenizer_config_that_does_not_match_the_rank_file_is_refused(tmp_
     write_kimi_tokenizer(tmp_path, {**KIMI_SPECIAL_TOKENS, -3: "<|misplaced|>"})
     with pytest.raises(ValueError, match="do not belong together"):
         kimi_tiktoken_tokenizer(tmp_path)
+
+
+# ----- the chat format with tools: rendered by `chat_template.jinja`, assistant turns parsed back by transformers'
+# `parse_response` with `KIMI_RESPONSE_TEMPLATE`
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_CALLS = [
+    {"id": "functions.get_weather:0", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}},
+    {"id": "functions.get_weather:1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "東京"}}},
+]  # fmt: skip
+CONVERSATION = [
+    {"role": "system", "content": "You are a weather assistant."},
+    {"role": "user", "content": "Weather in Paris and Tokyo?"},
+    {"role": "assistant", "content": "Let me check.", "tool_calls": TOOL_CALLS},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": '{"celsius": 21}'},
+    {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": '{"celsius": 17}'},
+    {"role": "assistant", "content": "Paris: 21 °C, Tokyo: 17 °C."},
+]
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from kda_moe import KdaMoeProcessor
+
+    return KdaMoeProcessor.from_package()
+
+
+def assistant_turn(processor, index):
+    """(prompt up to the assistant turn `index`, the rendered turn itself)."""
+    prompt = processor.apply_chat_template(CONVERSATION[:index], tools=WEATHER_TOOLS, add_generation_prompt=True)
+    full = processor.apply_chat_template(CONVERSATION[: index + 1], tools=WEATHER_TOOLS)
+    assert full.startswith(prompt)
+    return prompt, full[len(prompt) :]
+
+
+def test_chat_template_renders_tool_declarations_calls_and_results_in_kimi_format(processor):
+    import re
+
+    text = processor.apply_chat_template(CONVERSATION, tools=WEATHER_TOOLS)
+    declared = re.match(r"<\|im_system\|>tool_declare<\|im_middle\|>(.*?)<\|im_end\|>", text)
+    assert json.loads(declared[1]) == WEATHER_TOOLS
+    _, turn = assistant_turn(processor, 2)
+    assert turn == (
+        "Let me check.<|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 3}'
+        "<|tool_call_end|>"
+        '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "東京"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+    )
+    results = re.findall(r"<\|im_system\|>tool<\|im_middle\|>## Return of (\S+)\n(.*?)<\|im_end\|>", text)
+    assert results == [(m["tool_call_id"], m["content"]) for m in CONVERSATION if m["role"] == "tool"]
+
+
+@pytest.mark.parametrize("index", [2, 5])
+def test_assistant_turns_parse_back_to_the_messages_they_render(processor, index):
+    prompt, turn = assistant_turn(processor, index)
+    parsed = processor.parse_response(turn, prefix=prompt)
+    assert parsed == CONVERSATION[index]
+    # from the token ids generate() returns, as a serving loop gets them
+    tokenizer = processor.tokenizer
+    ids = tokenizer.encode(turn, add_special_tokens=False)
+    assert processor.parse_response(ids, prefix=tokenizer.encode(prompt, add_special_tokens=False)) == parsed
+
+
+def test_tool_call_arguments_are_cast_by_the_tool_schema(processor):
+    prompt, turn = assistant_turn(processor, 2)
+    turn = turn.replace('"days": 3', '"days": "3"')  # a model that quotes a number
+    parsed = processor.parse_response(turn, prefix=prompt, tools=WEATHER_TOOLS)
+    assert parsed["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
