@@ -4,7 +4,8 @@ Every default and every validation of the text model lives here; modeling code t
 The defaults are a small model that runs on a laptop CPU with every feature switched on;
 `KdaMoeTextConfig.kimi_k3()` builds the Kimi K3 shape. Configs in the layout of transformers' native
 `kimi_linear` model and of the published Kimi Linear / Kimi K3 `config.json` load as they are
-(see `KdaMoeTextConfig._from_kimi_linear_keys`).
+(see `KdaMoeTextConfig._from_kimi_linear_keys`); `KdaMoeTextConfig.to_kimi_linear_dict` writes the published
+spelling back (`save_pretrained(..., layout="kimi_linear")`).
 
 When each check runs:
 - a field's own rule (its type, range or allowed values) runs whenever the field is set, in the constructor and on

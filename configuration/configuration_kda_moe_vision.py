@@ -12,7 +12,8 @@ here, before the parent `__post_init__`, so both versions see config objects.
 
 The published Kimi K3 `config.json` (`model_type: kimi_k3`) loads as it is: `KdaMoeConfig._from_kimi_linear_keys`
 turns its spelling (a Kimi Linear `text_config`, a MoonViT `vision_config` in the `vt_*` spelling of Kimi K2.5
-that also carries the projector settings, `media_placeholder_token_id`) into ours.
+that also carries the projector settings, `media_placeholder_token_id`) into ours; `KdaMoeConfig.to_kimi_k3_dict`
+writes it back (`save_pretrained(..., layout="kimi_k3")`).
 """
 
 from huggingface_hub.dataclasses import strict, validated_field

@@ -1292,15 +1292,13 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         neither, as its readers bring their own code.
         """
         original_format = kwargs.get("save_original_format", True)
+        if not original_format and layout not in (None, "kda_moe"):
+            raise ValueError(f"save_original_format=False writes our layout; drop it to write layout={layout!r}.")
+        as_loaded = layout is None and quantize_experts is None
         if layout is None:
             layout = checkpoint_layout(self) if original_format else "kda_moe"
-            conversions = self._weight_conversions if quantize_experts is None else None
-        elif not original_format and layout != "kda_moe":
-            raise ValueError(f"save_original_format=False writes our layout; drop it to write layout={layout!r}.")
-        else:
-            conversions = None
-        if conversions is None:
-            conversions = layout_conversions(self, layout, quantize_experts)
+        # as loaded: the very conversions loading applied (transformers' in-memory Kimi Linear names included)
+        conversions = self._weight_conversions if as_loaded else layout_conversions(self, layout, quantize_experts)
         published_config = layout_config_dict(self, layout, quantize_experts)  # raises before anything is written
         if published_config is not None and kwargs.get("push_to_hub"):
             raise ValueError(
