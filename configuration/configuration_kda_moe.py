@@ -4,7 +4,8 @@ Every default and every validation of the text model lives here; modeling code t
 The defaults are a small model that runs on a laptop CPU with every feature switched on;
 `KdaMoeTextConfig.kimi_k3()` builds the Kimi K3 shape. Configs in the layout of transformers' native
 `kimi_linear` model and of the published Kimi Linear / Kimi K3 `config.json` load as they are
-(see `KdaMoeTextConfig._from_kimi_linear_keys`).
+(see `KdaMoeTextConfig._from_kimi_linear_keys`); `KdaMoeTextConfig.to_kimi_linear_dict` writes the published
+spelling back (`save_pretrained(..., layout="kimi_linear")`).
 
 When each check runs:
 - a field's own rule (its type, range or allowed values) runs whenever the field is set, in the constructor and on
@@ -60,6 +61,16 @@ LINEAR_ATTN_CONFIG_KEYS = {
     "gate_lower_bound": "gate_lower_bound",
     "use_full_rank_gate": "use_full_rank_gate",
 }
+# Fields with no place in the published `config.json` layouts that still round-trip through the K3 `text_config`
+# under their own names (our reader takes them as they are): how the K3 activation and router balancing are set.
+K3_EXTRA_FIELDS = (
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+    "router_balancing",
+    "router_bias_update_rate",
+    "router_balancing_bins",
+    "router_balancing_iterations",
+)
 # Keys of Kimi Linear / DeepSeek configs that are derived here or have no meaning for this model.
 DROPPED_KEYS = ("head_dim", "qk_head_dim", "num_key_value_heads", "pretraining_tp", "topk_method")
 
@@ -404,6 +415,96 @@ class KdaMoeTextConfig(PreTrainedConfig):
             for field, value in KIMI_LINEAR_DEFAULTS.items():
                 kwargs.setdefault(field, value)
         return kwargs
+
+    def to_kimi_linear_dict(self, k3_features: bool = False) -> dict[str, Any]:
+        """This config in the published Kimi Linear `config.json` spelling (`moonshotai/Kimi-Linear-48B-A3B`: 1-based
+        `linear_attn_config` layer lists, `first_k_dense_replace`, `num_experts_per_token`, ...), which transformers'
+        `KimiLinearConfig` and the published remote code read; `_from_kimi_linear_keys` reads it back.
+
+        `k3_features=True` writes the `text_config` of a Kimi K3 `config.json`: the same keys plus K3's
+        (`gate_lower_bound` / `use_full_rank_gate` in `linear_attn_config`, `mla_use_output_gate`,
+        `routed_expert_hidden_size`, `latent_moe_use_norm`, `attn_res_block_size`) and `K3_EXTRA_FIELDS`. Without it, a
+        K3 feature Kimi Linear lacks raises, naming it.
+        """
+        cannot = []
+        if not k3_features:
+            cannot += [
+                f"{field}={getattr(self, field)!r} (Kimi Linear: {value!r})"
+                for field, value in KIMI_LINEAR_DEFAULTS.items()
+                if field != "router_balancing" and getattr(self, field) != value  # balancing only acts in training
+            ]
+        types = self.mlp_layer_types
+        first_k_dense = types.index("sparse") if "sparse" in types else self.num_hidden_layers
+        if types != default_mlp_layer_types(self.num_hidden_layers, first_k_dense):
+            cannot.append(f"mlp_layer_types={types} (published: the first k layers dense, the rest sparse)")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if not self.mla_use_nope and rope_type != "default":
+            cannot.append(f"rope_parameters={self.rope_parameters} (published: `rope_theta` of the default RoPE)")
+        if cannot:
+            layout = "Kimi K3" if k3_features else "Kimi Linear"
+            raise ValueError(
+                f"The {layout} config.json cannot express {'; '.join(cannot)}. Save this model in our layout "
+                "(`save_pretrained(folder, layout='kda_moe')`)"
+                + ("." if k3_features else " or in the Kimi K3 layout (`layout='kimi_k3'`).")
+            )
+        linear_attn_config = {
+            "kda_layers": [i + 1 for i, kind in enumerate(self.layer_types) if kind == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, kind in enumerate(self.layer_types) if kind == "full_attention"],
+            "num_heads": self.linear_num_heads,
+            "head_dim": self.linear_head_dim,
+            "short_conv_kernel_size": self.linear_conv_kernel_dim,
+        }
+        published = {
+            "model_type": "kimi_linear",
+            "architectures": ["KimiLinearForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "initializer_range": self.initializer_range,
+            "model_max_length": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_cache": self.use_cache,
+            "pad_token_id": self.pad_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "linear_attn_config": linear_attn_config,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "mla_use_nope": self.mla_use_nope,
+            "rope_theta": (self.rope_parameters or {}).get("rope_theta", 10000.0),
+            "first_k_dense_replace": first_k_dense,
+            "moe_layer_freq": 1,
+            "num_experts": self.num_experts,
+            "num_experts_per_token": self.num_experts_per_tok,
+            "num_shared_experts": self.num_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "moe_renormalize": self.moe_renormalize,
+            "moe_router_activation_func": "sigmoid",
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "use_grouped_topk": True,
+            "num_expert_group": self.n_group,
+            "topk_group": self.topk_group,
+            "num_nextn_predict_layers": 0,
+        }
+        if k3_features:
+            linear_attn_config["gate_lower_bound"] = self.gate_lower_bound
+            linear_attn_config["use_full_rank_gate"] = self.use_full_rank_gate
+            for field in ("mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "attn_res_block_size"):
+                published[field] = getattr(self, field)
+            published.update({field: getattr(self, field) for field in K3_EXTRA_FIELDS})
+            del published["architectures"]  # a sub-config of the K3 model, not a model of its own
+        dtype = self.to_dict().get("dtype")
+        if dtype is not None:
+            published["dtype"] = dtype
+        return published
 
     @staticmethod
     def _layer_types_from_one_based(num_hidden_layers: int, kda_layers, full_attn_layers) -> list[str]:

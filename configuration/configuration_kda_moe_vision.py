@@ -12,7 +12,8 @@ here, before the parent `__post_init__`, so both versions see config objects.
 
 The published Kimi K3 `config.json` (`model_type: kimi_k3`) loads as it is: `KdaMoeConfig._from_kimi_linear_keys`
 turns its spelling (a Kimi Linear `text_config`, a MoonViT `vision_config` in the `vt_*` spelling of Kimi K2.5
-that also carries the projector settings, `media_placeholder_token_id`) into ours.
+that also carries the projector settings, `media_placeholder_token_id`) into ours; `KdaMoeConfig.to_kimi_k3_dict`
+writes it back (`save_pretrained(..., layout="kimi_k3")`).
 """
 
 from huggingface_hub.dataclasses import strict, validated_field
@@ -260,6 +261,39 @@ class KdaMoeConfig(PreTrainedConfig):
                 raise _invalid(f"vision_config.{key}", value, f"must equal {source}={expected}")
         kwargs["vision_config"] = vision
         return kwargs
+
+    def to_kimi_k3_dict(self, quantization_config: dict | None = None) -> dict:
+        """This config in the published Kimi K3 `config.json` spelling, which `_from_kimi_linear_keys` reads back: the
+        `text_config` in Kimi Linear's (`KdaMoeTextConfig.to_kimi_linear_dict(k3_features=True)`), the
+        `vision_config` in MoonViT's (`vt_*`, `init_pos_emb_*`, `merge_kernel_size`, the projector settings; the tower's
+        other fields under their own names), `media_placeholder_token_id`, and `quantization_config` when given (the
+        routed experts written mxfp4). K3's projector is as wide as a merged patch; another width raises."""
+        if self.projector_hidden_size != self.merged_hidden_size:
+            raise ValueError(
+                f"The Kimi K3 config.json cannot express projector_hidden_size={self.projector_hidden_size}: K3's "
+                f"projector is as wide as a merged patch ({self.merged_hidden_size}). Save this model in our layout "
+                "(`save_pretrained(folder, layout='kda_moe')`)."
+            )
+        vision = self.vision_config
+        moonvit = {published: getattr(vision, field) for published, field in MOONVIT_VISION_KEYS.items()}
+        moonvit.update(
+            merge_kernel_size=[vision.spatial_merge_size] * 2,
+            mm_hidden_size=vision.hidden_size,
+            text_hidden_size=self.text_config.hidden_size,
+            **{published: getattr(self, field) for published, field in MOONVIT_PROJECTOR_KEYS.items()},
+            **{field: getattr(vision, field) for field in ("num_channels", "rope_theta", "hidden_act", "rms_norm_eps")},
+        )
+        published = {
+            "model_type": KIMI_K3_MODEL_TYPE,
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "media_placeholder_token_id": self.image_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": self.text_config.to_kimi_linear_dict(k3_features=True),
+            "vision_config": moonvit,
+        }
+        if quantization_config is not None:
+            published["quantization_config"] = quantization_config
+        return published
 
     @property
     def merged_hidden_size(self) -> int:

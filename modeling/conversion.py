@@ -48,13 +48,18 @@ norm as `mm_projector.post_norm`. Every name that rests on that assumption is in
     mm_projector.{proj.0, proj.2, post_norm}                   -> multi_modal_projector.{linear_1, linear_2, norm}
 
 The config side is `KdaMoeTextConfig._from_kimi_linear_keys` (Kimi Linear keys) and
-`KdaMoeConfig._from_kimi_linear_keys` (K3 keys).
+`KdaMoeConfig._from_kimi_linear_keys` (K3 keys); `KdaMoeTextConfig.to_kimi_linear_dict` and
+`KdaMoeConfig.to_kimi_k3_dict` write them.
 
-Saving: `save_pretrained` (with transformers' default `save_original_format=True`) undoes the conversions a model
-was loaded with, so a model loaded from a published layout writes that layout's weight names back (its config.json
-stays ours), and one loaded from ours (or built in memory: `KdaMoePreTrainedModel._weight_conversions` is empty)
-writes ours. `save_original_format=False` always writes ours. A few converters (`A_log`, the patch embedding) keep their key, so a checkpoint of ours also
-goes through them; their reverse reads the layout being written from the model (`checkpoint_layout`).
+Saving: transformers' `save_pretrained` (with its default `save_original_format=True`) runs the reverse of the
+conversions in `model._weight_conversions`. By default those are the ones the model was loaded with, so a model
+loaded from a published layout writes that layout back, with the same weight names and its `config.json` spelling,
+and one loaded from ours (or built in memory: `KdaMoePreTrainedModel._weight_conversions` is empty) writes ours.
+`save_pretrained(..., layout=...)` swaps in the conversions of the layout asked for (`layout_conversions`) while
+it saves; `quantize_experts="mxfp4"` swaps the mxfp4 expert converters in for the dense ones, whose reverse packs
+the experts again (`RepackingConverter`). A few converters (`A_log`, the patch embedding) keep their key, so a
+checkpoint of ours also goes through them; their reverse reads the layout being written from the conversions in
+place (`checkpoint_layout`).
 """
 
 import torch
@@ -65,6 +70,7 @@ from transformers.core_model_loading import (
     MergeModulelist,
     WeightConverter,
     WeightRenaming,
+    WeightTransform,
 )
 
 from ..configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
@@ -246,6 +252,16 @@ class DequantizeMxfp4(ConversionOps):
         return dequantized
 
 
+def require_compressed_tensors() -> None:
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "mxfp4 routed experts are read and written by compressed-tensors; `pip install kda-moe[k3]` (or "
+            "`pip install compressed-tensors`)."
+        ) from error
+
+
 def mxfp4_codec(quantization: dict | None):
     """(compressed-tensors compressor, scheme) of the routed experts for a checkpoint's `quantization_config`."""
     if quantization is None:
@@ -253,14 +269,10 @@ def mxfp4_codec(quantization: dict | None):
             "The checkpoint stores routed experts packed (`weight_packed` / `weight_scale`) but its config.json has no "
             "`quantization_config`; the config does not belong to these weights."
         )
-    try:
-        from compressed_tensors.compressors import BaseCompressor
-        from compressed_tensors.quantization import QuantizationConfig
-    except ImportError as error:
-        raise ImportError(
-            "This checkpoint stores its routed experts mxfp4 (compressed-tensors); `pip install kda-moe[k3]` (or "
-            "`pip install compressed-tensors`) to load it."
-        ) from error
+    require_compressed_tensors()
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
     config = QuantizationConfig.model_validate(quantization)
     schemes = [group for group in config.config_groups.values() if any("experts" in target for target in group.targets)]
     if len(schemes) != 1:
@@ -272,6 +284,13 @@ def mxfp4_codec(quantization: dict | None):
     return BaseCompressor.get_value_from_registry(scheme.format or config.format), scheme
 
 
+# Spellings loading accepts that no layout writer produces: transformers' in-memory forget-gate module, and the dense
+# MLP under `block_sparse_moe.` (transformers' save puts it there; the published folders keep it under `mlp.`, which
+# transformers reads too).
+FORGET_GATE_MODULE = r"self_attn\.forget_gate\.(f_a_proj|f_b_proj|dt_bias|A_log)"
+DENSE_MLP_UNDER_MOE = r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\."
+
+
 def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
     """The text decoder's transforms, in transformers' order: every matching renaming applies, then at most one
     converter. Kimi Linear's come first, then K3's (`is_k3_only`).
@@ -281,9 +300,9 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
     renamings change, so both directions compose on every supported version.
     """
     return [
-        WeightRenaming(r"self_attn\.forget_gate\.(f_a_proj|f_b_proj|dt_bias|A_log)", r"self_attn\.\1"),
+        WeightRenaming(FORGET_GATE_MODULE, r"self_attn\.\1"),
         WeightRenaming(r"\.block_sparse_moe\.(gate|experts|shared_experts)\.", r"\.mlp\.\1\."),
-        WeightRenaming(r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\.mlp\.\1\."),
+        WeightRenaming(DENSE_MLP_UNDER_MOE, r"\.mlp\.\1\."),
         WeightRenaming(r"\.block_sparse_moe\.routed_expert_(down_proj|up_proj|norm)\.", r"\.mlp\.latent_\1\."),
         WeightRenaming(r"\.self_attention_res_(norm|proj)\.", r"\.attn_res\.\1\."),
         WeightRenaming(r"\.mlp_res_(norm|proj)\.", r"\.mlp_res\.\1\."),
@@ -311,9 +330,11 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
 
 class DequantizingConverter(WeightConverter):
     """A converter whose first op dequantizes: saving reverses the dense converter it stands for, so a model loaded
-    from mxfp4 experts writes them unquantized under the dense names (`experts.j.w1.weight`, ...)."""
+    from mxfp4 experts writes them unquantized under the dense names (`experts.j.w1.weight`, ...), unless the class
+    repacks (`RepackingConverter`)."""
 
     __slots__ = ()
+    repacks = False
 
     def reverse_transform(self) -> WeightConverter:
         dense = WeightConverter(
@@ -322,7 +343,64 @@ class DequantizingConverter(WeightConverter):
             operations=self.operations[1:],
         )
         dense.scope_prefix, dense.base_model_prefix = self.scope_prefix, self.base_model_prefix
-        return dense.reverse_transform()
+        reverse = dense.reverse_transform()
+        if self.repacks:
+            reverse.operations.append(QuantizeMxfp4())
+        return reverse
+
+
+class RepackingConverter(DequantizingConverter):
+    """`DequantizingConverter` whose reverse packs each expert's weights back to mxfp4
+    (`save_pretrained(..., layout="kimi_k3", quantize_experts="mxfp4")`)."""
+
+    __slots__ = ()
+    repacks = True
+
+
+class QuantizeMxfp4(ConversionOps):
+    """Per-expert dense weights -> mxfp4 `weight_packed` / `weight_scale`, by compressed-tensors: the group scales
+    from its `calculate_qparams`, the packing by its compressor for the format (`mxfp4_codec`), with the config's
+    `routed_expert_quantization` or, for a model that was not loaded mxfp4, `mxfp4_quantization_config()`."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, full_layer_name=None, **kwargs):
+        from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+        quantization = getattr(config, "routed_expert_quantization", None) or mxfp4_quantization_config()
+        compressor, scheme = mxfp4_codec(quantization)
+        group = scheme.weights.group_size
+        # The loader expands the converter's keys into full names with the part of `full_layer_name` around a key it
+        # contains; "weight_packed" is in none of them, so the full names are built here.
+        layer_name = full_layer_name.replace("*.", "0.")
+        prefix, _, suffix = next(layer_name.partition(key) for key in input_dict if key in layer_name)
+        packed = {}
+        for key, tensors in input_dict.items():
+            weight = tensors[0] if isinstance(tensors, list) else tensors  # [out, in]
+            groups = weight.float().view(weight.shape[0], -1, group)
+            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            compressed = compressor.compress(
+                {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme
+            )
+            for part in ("packed", "scale"):
+                packed[f"{prefix}{key}{suffix}_{part}"] = compressed[f"weight_{part}"]
+        return packed
+
+
+def mxfp4_quantization_config() -> dict:
+    """The `quantization_config` of K3's routed experts: compressed-tensors' `MXFP4A16` preset (E2M1 weights, one
+    E8M0 scale per 32, activations unquantized) on the experts only, format `mxfp4-pack-quantized`."""
+    require_compressed_tensors()
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("MXFP4A16", [r"re:.*block_sparse_moe\.experts\..*"])
+    scheme.format = MXFP4_FORMAT
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=MXFP4_FORMAT, quantization_status="compressed"
+    )
+    return config.model_dump(mode="json")
+
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
 
 
 def mxfp4_expert_converters() -> list[WeightConverter]:
@@ -394,6 +472,71 @@ def is_k3_only(conversion) -> bool:
     return conversion._original_source_patterns[0] in K3_ONLY_SOURCES
 
 
+LAYOUTS = ("kda_moe", "kimi_linear", "kimi_k3")
+QUANTIZED_EXPERT_FORMATS = ("mxfp4",)
+
+
+def layout_conversions(model, layout: str, quantize_experts: str | None = None) -> list[WeightTransform]:
+    """The transforms whose reverse `save_pretrained` runs to write `model` in `layout`: the model's registered
+    tables, scoped to its sub-models as loading scopes them, less the spellings only loading reads (the forget-gate
+    module, the dense MLP under `block_sparse_moe.`), K3's parts for Kimi Linear, and the mxfp4 or the dense expert
+    converters (`quantize_experts`). Raises, naming the part, where `layout` cannot express the model."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"Unknown checkpoint layout {layout!r}; choose one of {LAYOUTS}.")
+    if quantize_experts is not None:
+        if quantize_experts not in QUANTIZED_EXPERT_FORMATS:
+            raise ValueError(
+                f"Unknown expert quantization {quantize_experts!r}; choose one of {QUANTIZED_EXPERT_FORMATS}."
+            )
+        if layout != "kimi_k3":
+            raise ValueError(
+                f"quantize_experts={quantize_experts!r} is a format of the Kimi K3 layout; pass layout='kimi_k3'."
+            )
+        require_compressed_tensors()
+    multimodal = isinstance(model.config, KdaMoeConfig)
+    if layout == "kimi_linear" and multimodal:
+        raise ValueError(
+            "The Kimi Linear layout is a text model and cannot express this model's vision tower and projector; write "
+            "layout='kimi_k3', or save the text decoder alone."
+        )
+    if layout == "kimi_k3" and not multimodal:
+        raise ValueError(
+            f"The Kimi K3 layout is the multimodal model (`language_model.` / `vision_tower.` / `mm_projector.`); a "
+            f"{type(model).__name__} has no vision tower. Write layout='kimi_linear' or 'kda_moe'."
+        )
+    if layout == "kda_moe":
+        return []
+    mxfp4 = {pattern for converter in mxfp4_expert_converters() for pattern in converter._original_source_patterns}
+    dense_experts = {pattern.removesuffix("_packed") for pattern in mxfp4 if pattern.endswith("_packed")}
+    skipped = {FORGET_GATE_MODULE, DENSE_MLP_UNDER_MOE} | (dense_experts if quantize_experts else mxfp4)
+    if layout == "kimi_linear":
+        skipped |= K3_ONLY_SOURCES
+    conversions = []
+    for conversion in get_model_conversion_mapping(model, add_legacy=False):
+        if conversion._original_source_patterns[0] in skipped:
+            continue
+        if isinstance(conversion, DequantizingConverter):
+            repacking = RepackingConverter(
+                conversion._original_source_patterns, conversion._original_target_patterns, conversion.operations
+            )
+            repacking.scope_prefix, repacking.base_model_prefix = conversion.scope_prefix, conversion.base_model_prefix
+            conversion = repacking
+        conversions.append(conversion)
+    return conversions
+
+
+def layout_config_dict(model, layout: str, quantize_experts: str | None = None) -> dict | None:
+    """`config.json` of `model` in a published `layout` (None for ours, which transformers writes itself)."""
+    if layout == "kimi_linear":
+        return model.config.to_kimi_linear_dict()
+    if layout == "kimi_k3":
+        quantization = None
+        if quantize_experts is not None:
+            quantization = model.config.routed_expert_quantization or mxfp4_quantization_config()
+        return model.config.to_kimi_k3_dict(quantization_config=quantization)
+    return None
+
+
 # Looked up by class name first, then by `config.model_type`: a Kimi Linear folder says `model_type: kimi_linear`, but
 # loaded through our classes its config is a `KdaMoeTextConfig`, whose `model_type` is always ours. `overwrite=True`
 # keeps a second import of the package (e.g. under another name) harmless.
@@ -402,7 +545,11 @@ register_checkpoint_conversion_mapping(KdaMoeVisionConfig.model_type, moonvit_co
 register_checkpoint_conversion_mapping(KdaMoeConfig.model_type, kimi_k3_conversions(), overwrite=True)
 
 __all__ = [
+    "LAYOUTS",
     "checkpoint_layout",
+    "layout_config_dict",
+    "layout_conversions",
+    "mxfp4_quantization_config",
     "kimi_k3_conversions",
     "kimi_linear_conversions",
     "moonvit_conversions",

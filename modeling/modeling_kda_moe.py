@@ -9,7 +9,9 @@ gated MLA, AttnRes, LatentMoE with SiTU-GLU and Quantile Balancing), Kimi Linear
 gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research configs.
 """
 
+import json
 import math
+import os
 from collections.abc import Callable
 from functools import wraps
 
@@ -29,7 +31,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import CONFIG_NAME, TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -54,6 +56,7 @@ from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
+from .conversion import checkpoint_layout, layout_config_dict, layout_conversions
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1327,14 +1330,57 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         """The classes a saved folder's `auto_map` names; `save_pretrained` writes their source into the folder."""
         return {"AutoConfig": KdaMoeTextConfig, "AutoModel": KdaMoeTextModel, "AutoModelForCausalLM": KdaMoeForCausalLM}
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus the package source the folder runs (flattened, named by
-        `config.auto_map`: `Auto*.from_pretrained(folder, trust_remote_code=True)` loads it where kda_moe is not
-        installed; see `remote_code.py`) and the model card (`README.md`, kept if someone else wrote it)."""
-        if kwargs.get("is_main_process", True):
+    def save_pretrained(
+        self, save_directory, *args, layout: str | None = None, quantize_experts: str | None = None, **kwargs
+    ):
+        """`PreTrainedModel.save_pretrained` in a checkpoint layout: weight names and `config.json` spelling both.
+
+        Args:
+            layout: `"kda_moe"` (ours), `"kimi_linear"` (what transformers' `KimiLinearForCausalLM`, the published
+                remote code and serving engines read; text models without K3's features) or `"kimi_k3"` (the
+                published Kimi K3 layout; multimodal models). Default: the layout the model was loaded from (ours for
+                a model built in memory, and with `save_original_format=False`), with exactly the weight names it
+                was loaded with.
+            quantize_experts: `"mxfp4"` packs the routed experts as the K3 release stores them (compressed-tensors'
+                `mxfp4-pack-quantized`, with its `quantization_config`); default: dense, in the model's dtype.
+
+        The weights go through the reverse of the layout's conversions (`conversion.layout_conversions`). Ours also
+        gets the package source the folder runs (flattened, named by `config.auto_map`:
+        `Auto*.from_pretrained(folder, trust_remote_code=True)` loads it where kda_moe is not installed; see
+        `remote_code.py`) and the model card (`README.md`, kept if someone else wrote it); a published layout gets
+        neither, as its readers bring their own code.
+        """
+        original_format = kwargs.get("save_original_format", True)
+        if not original_format and layout not in (None, "kda_moe"):
+            raise ValueError(f"save_original_format=False writes our layout; drop it to write layout={layout!r}.")
+        as_loaded = layout is None and quantize_experts is None
+        if layout is None:
+            layout = checkpoint_layout(self) if original_format else "kda_moe"
+        # as loaded: the very conversions loading applied (transformers' in-memory Kimi Linear names included)
+        conversions = self._weight_conversions if as_loaded else layout_conversions(self, layout, quantize_experts)
+        published_config = layout_config_dict(self, layout, quantize_experts)  # raises before anything is written
+        if published_config is not None and kwargs.get("push_to_hub"):
+            raise ValueError(
+                f"push_to_hub=True uploads before the {layout} config.json is written; save the folder, then upload it "
+                "with `huggingface_hub.upload_folder`."
+            )
+        is_main_process = kwargs.get("is_main_process", True)
+        if is_main_process and published_config is None:
             self.config.auto_map = write_remote_code(save_directory, self._remote_code_classes())
             write_model_card(self, save_directory)
-        super().save_pretrained(save_directory, *args, **kwargs)
+        loaded_conversions = self.__dict__.get("_weight_conversions")
+        self._weight_conversions = conversions
+        try:
+            super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if loaded_conversions is None:
+                del self._weight_conversions
+            else:
+                self._weight_conversions = loaded_conversions
+        if is_main_process and published_config is not None:
+            published_config = layout_config_dict(self, layout, quantize_experts)  # with the dtype saving recorded
+            with open(os.path.join(save_directory, CONFIG_NAME), "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(published_config, indent=2, sort_keys=True) + "\n")
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         """`PushToHubMixin._upload_modified_files`, after putting our model card back: both `push_to_hub` and

@@ -7,7 +7,9 @@ placeholder. Every mismatch between images and placeholders raises a `ValueError
 calls the processor.
 
 `KdaMoeProcessor.from_package()` builds the processor from the files shipped in this folder (the byte-level BPE
-tokenizer trained by `train_tokenizer.py` and the chat template), so demos and tests never download anything.
+tokenizer trained by `train_tokenizer.py` and the chat template), so demos and tests never download anything. Its
+tokenizer carries `KIMI_RESPONSE_TEMPLATE`, so `processor.parse_response(generated, prefix=prompt)` turns a generated
+assistant turn, tool calls included, back into a message.
 """
 
 from pathlib import Path
@@ -22,6 +24,26 @@ from .image_processing_kda_moe import KdaMoeImageProcessor, flatten_images
 HERE = Path(__file__).resolve().parent
 TOKENIZER_DIR = HERE / "tokenizer"
 CHAT_TEMPLATE_FILE = HERE / "chat_template.jinja"
+# How transformers' `parse_response` reads an assistant turn of the chat format back into a message: the text before
+# the tool-call section is `content`; each `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>JSON
+# <|tool_call_end|>` becomes an OpenAI-style tool call (`id`, `type`, `function.name`, `function.arguments` as a dict).
+KIMI_RESPONSE_TEMPLATE = {
+    "version": 1,
+    "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
+    "defaults": {"role": "assistant"},
+    "fields": {
+        "content": {"close": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|im_end|>"]},
+        "tool_calls": {
+            "open_pattern": (
+                r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^:<]+):\d+)\s*<\|tool_call_argument_begin\|>"
+            ),
+            "close": "<|tool_call_end|>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"id": "{id}", "type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+    },
+}
 
 # Keyword arguments of transformers' processor API that a plain image + text processor has no use for.
 _IGNORED_KWARGS = (
@@ -52,6 +74,7 @@ class KdaMoeProcessor(ProcessorMixin):
             image_processor_kwargs.setdefault("patch_size", vision_config.patch_size)
             image_processor_kwargs.setdefault("merge_size", vision_config.spatial_merge_size)
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+        tokenizer.response_template = KIMI_RESPONSE_TEMPLATE
         return cls(
             image_processor=KdaMoeImageProcessor(**image_processor_kwargs),
             tokenizer=tokenizer,
@@ -160,4 +183,4 @@ class KdaMoeProcessor(ProcessorMixin):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-__all__ = ["KdaMoeProcessor"]
+__all__ = ["KIMI_RESPONSE_TEMPLATE", "KdaMoeProcessor"]

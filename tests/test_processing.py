@@ -138,7 +138,7 @@ def test_chat_template_covers_roles_images_and_tool_calls(processor):
     assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>")
     for piece in ("<|im_system|>system<|im_middle|>You see images.<|im_end|>", f"<|im_user|>user<|im_middle|>{IMAGE}",
                   '<|tool_calls_section_begin|><|tool_call_begin|>functions.zoom:0<|tool_call_argument_begin|>'
-                  '{"factor": 2}<|tool_call_end|><|tool_calls_section_end|>', "<|im_tool|>tool<|im_middle|>",
+                  '{"factor": 2}<|tool_call_end|><|tool_calls_section_end|>', "<|im_system|>tool<|im_middle|>",
                   "<|im_assistant|>assistant<|im_middle|>It is a cat.<|im_end|>"):  # fmt: skip
         assert piece in prompt, piece
     generation = processor.apply_chat_template(messages[:2], add_generation_prompt=True)
