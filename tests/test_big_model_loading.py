@@ -4,6 +4,8 @@ of a sharded checkpoint on 2 gloo ranks, and the peak host memory of each way of
 """
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,14 +13,13 @@ from conftest import tiny_model
 from multimodal_testing import random_image, tiny_multimodal_model, tiny_processor
 from test_decoding import randomize_balancing_and_depth_mixing
 from test_multimodal_generation import chat_inputs
+from test_parallel_layouts import has_token_dispatch
 
-from kda_moe import (
-    KdaMoeConfig,
-    KdaMoeForCausalLM,
-    KdaMoeForConditionalGeneration,
-    KdaMoeTextConfig,
-    KdaMoeVisionConfig,
-)
+from kda_moe import KdaMoeForCausalLM, KdaMoeForConditionalGeneration
+
+# benchmarks/ on the path as for the script itself: the processes it spawns import `load_memory` by name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import load_memory  # noqa: E402
 
 GB = 10**9
 
@@ -91,3 +92,73 @@ def test_offloaded_multimodal_model_generates_the_tokens_of_the_loaded_model(tmp
     offloaded.generation_config.eos_token_id = None
     expected = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert torch.equal(offloaded.generate(**inputs, max_new_tokens=5, do_sample=False), expected)
+
+
+def test_kimi_k3_builds_on_the_meta_device_and_places_whole_layers_on_eight_devices():
+    """Counting rule: parameters only (router biases are buffers); embeddings and the untied lm_head counted once
+    each. Activated per token = everything except the routed experts a token does not select (top-16 of 896). Both
+    K3 models build on the meta device without holding memory; `infer_auto_device_map` onto 8 x 141 GB, CPU and disk
+    places every module, never splits a decoder layer or vision block, and fills the devices in layer order."""
+    before = load_memory.reset_peak_rss()
+    plans = load_memory.kimi_k3_device_plan(devices=8, device_bytes=141 * GB)
+    assert load_memory.resident_bytes("VmHWM") - before < 1 * GB  # 2.8T parameters on meta: no storage
+
+    model = plans["text"]["model"]
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    activated = total - routed + routed * config.num_experts_per_tok // config.num_experts
+    assert config.layer_types.count("linear_attention") == 69 and config.layer_types.count("full_attention") == 24
+    assert config.layer_types[-2:] == ["full_attention", "full_attention"]
+    assert (config.hidden_size, config.num_experts, config.num_experts_per_tok) == (7168, 896, 16)
+    assert abs(total / 2.78e12 - 1) < 0.01, total
+    assert abs(activated / 104e9 - 1) < 0.02, activated
+
+    order = [*range(8), "cpu", "disk"]
+    for name, plan in plans.items():
+        model, device_map = plan["model"], plan["device_map"]
+        assert all(p.device.type == "meta" for p in model.parameters())
+        text = "model.language_model" if name == "multimodal" else "model"
+        assert_whole_blocks(device_map, [f"{text}.layers", "model.vision_tower.blocks"])
+        for param_name, _ in model.named_parameters():
+            assert any(param_name.startswith(f"{module}.") for module in device_map), f"{param_name} is not placed"
+        layer_devices = [device_map[f"{text}.layers.{i}"] for i in range(config.num_hidden_layers)]
+        assert [order.index(d) for d in layer_devices] == sorted(order.index(d) for d in layer_devices)
+        assert set(range(8)) <= set(layer_devices)  # every device holds at least one whole layer
+        assert all(plan["bytes"][index] <= 141 * GB for index in range(8))
+        assert sum(plan["bytes"].values()) == plan["total"]
+        if name == "multimodal":
+            assert device_map["model.vision_tower"] == device_map["model.multi_modal_projector"] == 0
+
+
+@pytest.fixture(scope="module")
+def load_measurements(tmp_path_factory):
+    """benchmarks/load_memory.py on a 300 MB checkpoint of 7 shards: plain, offloaded, and 2-rank TP / EP loads."""
+    workdir = tmp_path_factory.mktemp("load_memory")
+    checkpoint_bytes = load_memory.write_checkpoint(workdir / "model", size_mb=300)
+    assert len(list((workdir / "model").glob("model-*.safetensors"))) >= 6
+    results = load_memory.measure(workdir / "model", workdir)
+    return checkpoint_bytes, {(r["mode"], r["rank"]): r for r in results}
+
+
+def test_loading_streams_the_shards_instead_of_holding_a_second_copy(load_measurements):
+    checkpoint_bytes, results = load_measurements
+    plain, offload = results["plain", 0], results["offload", 0]
+    assert plain["parameter_bytes"] >= 0.99 * checkpoint_bytes
+    assert plain["peak_growth"] < 1.25 * checkpoint_bytes  # the model itself, not the model plus a state dict
+    assert "disk" in offload["devices"] and offload["parameter_bytes"] < 0.1 * checkpoint_bytes
+    assert offload["peak_growth"] < 0.25 * checkpoint_bytes  # the disk layers are never resident all at once
+    torch.testing.assert_close(offload["logits"], plain["logits"], rtol=0, atol=0)
+
+
+def test_tensor_and_expert_parallel_load_gives_the_single_process_logits_with_half_the_parameters(load_measurements):
+    checkpoint_bytes, results = load_measurements
+    plain = results["plain", 0]
+    for rank in range(load_memory.WORLD_SIZE):
+        run = results["tp2", rank]
+        torch.testing.assert_close(run["logits"], plain["logits"], rtol=1e-4, atol=1e-5)
+        assert 0.45 < run["parameter_bytes"] / plain["parameter_bytes"] < 0.6, run["parameter_bytes"]
+        # transformers 5.19+ reads each rank's slices from the shards; 5.17's tensor-parallel load (routed experts
+        # split by the TP plan, no EP on one group) peaks at about 1.5 x the checkpoint on every rank
+        if has_token_dispatch():
+            assert run["peak_growth"] < 0.75 * checkpoint_bytes, run["peak_growth"]
