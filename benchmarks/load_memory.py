@@ -16,7 +16,8 @@ Each process reports the growth of its peak resident set from before the load to
 holds (Linux: the peak is reset through /proc/self/clear_refs, then read as `VmHWM`), the bytes of those parameters (a
 rank's local shards) and the logits of a fixed prompt, which must equal the plain load's.
 The table prints MB, one row per process. `--plan` builds Kimi K3 (text and multimodal) on the meta device and prints
-the per-device GB of accelerate's `infer_auto_device_map` onto 8 x 141 GB devices, CPU and disk (bf16 weights).
+the per-device GB of accelerate's `infer_auto_device_map` onto 8 x 141 GB devices, 4 TB of CPU memory and disk (bf16
+weights).
 """
 
 import argparse
@@ -179,7 +180,9 @@ def table(results: list[dict], checkpoint_bytes: int) -> str:
 
 def kimi_k3_device_plan(devices: int = 8, device_bytes: int = 141 * GB) -> dict[str, dict]:
     """Kimi K3 built on the meta device (text model and multimodal model), placed by `infer_auto_device_map` onto
-    `devices` accelerators of `device_bytes` each, then CPU and disk, in bf16: name -> (device map, bytes per device)."""
+    `devices` accelerators of `device_bytes` each, then CPU and disk, in bf16.
+
+    Returns name -> {"model", "device_map", "bytes" (per device), "total" (bytes of the whole model)}."""
     from accelerate import infer_auto_device_map
     from accelerate.utils import compute_module_sizes
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.utils import compute_module_sizes
 from conftest import tiny_model
 from multimodal_testing import random_image, tiny_multimodal_model, tiny_processor
 from test_decoding import randomize_balancing_and_depth_mixing
@@ -28,7 +29,8 @@ def save_sharded(model, folder, shards=4):
     """`save_pretrained` in at least `shards` safetensors files, with their index."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(folder, max_shard_size=f"{total // (shards * 1000)}KB")
-    assert len(list(folder.glob("model-*.safetensors"))) >= shards and (folder / "model.safetensors.index.json").exists()
+    assert len(list(folder.glob("model-*.safetensors"))) >= shards
+    assert (folder / "model.safetensors.index.json").exists()
 
 
 def assert_whole_blocks(device_map, block_prefixes):
@@ -42,8 +44,6 @@ def assert_whole_blocks(device_map, block_prefixes):
 def test_offloaded_decoder_layers_generate_the_tokens_of_the_loaded_model(tmp_path, tie_word_embeddings):
     model = randomize_balancing_and_depth_mixing(tiny_model(seed=0, tie_word_embeddings=tie_word_embeddings))
     save_sharded(model, tmp_path / "model")
-    from accelerate.utils import compute_module_sizes
-
     sizes = compute_module_sizes(model)
     budget = sizes["model.embed_tokens"] + sizes["model.layers.0"] + sizes["model.layers.1"] + sizes["model.layers.2"]
     offloaded = KdaMoeForCausalLM.from_pretrained(
@@ -67,25 +67,33 @@ def test_offloaded_decoder_layers_generate_the_tokens_of_the_loaded_model(tmp_pa
         torch.testing.assert_close(offloaded(input_ids).logits, model(input_ids).logits, rtol=1e-5, atol=1e-6)
     expected = model.generate(input_ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(offloaded.generate(input_ids, max_new_tokens=6, do_sample=False), expected)
+    static = offloaded.generate(input_ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, expected)  # the static cache allocates each layer's states where the layer runs
 
 
-def test_offloaded_multimodal_model_generates_the_tokens_of_the_loaded_model(tmp_path):
-    model = randomize_balancing_and_depth_mixing(tiny_multimodal_model(seed=0))
+@pytest.mark.parametrize("vision_on_disk", [False, True])
+def test_offloaded_multimodal_model_generates_the_tokens_of_the_loaded_model(tmp_path, vision_on_disk):
+    model = randomize_balancing_and_depth_mixing(tiny_multimodal_model(seed=0, text_config=dict(mla_use_nope=False)))
     save_sharded(model, tmp_path / "model")
-    from accelerate.utils import compute_module_sizes
-
     sizes = compute_module_sizes(model)
     text = "model.language_model"
-    budget = sizes[f"{text}.embed_tokens"] + sizes["model.vision_tower"] + sizes["model.multi_modal_projector"]
-    budget += sizes[f"{text}.layers.0"] + sizes[f"{text}.layers.1"]
-    budget += sizes["lm_head"]  # accelerate keeps room for the largest leaf (the embedding) on the main device
+    budget = sizes["lm_head"]  # accelerate keeps room for the largest leaf (the embedding) on the main device
+    budget += sizes["model.vision_tower.patch_embed"]
+    if not vision_on_disk:
+        budget += sizes["model.vision_tower"] + sizes["model.multi_modal_projector"] + sizes[f"{text}.embed_tokens"]
+        budget += sizes[f"{text}.layers.0"] + sizes[f"{text}.layers.1"]
     offloaded = KdaMoeForConditionalGeneration.from_pretrained(
         tmp_path / "model", device_map="auto", max_memory={"cpu": budget}, offload_folder=tmp_path / "offload"
     )
     device_map = offloaded.hf_device_map
-    layers = {name: device for name, device in device_map.items() if name.startswith(f"{text}.layers.")}
-    assert {"cpu", "disk"} <= set(layers.values()), device_map
     assert_whole_blocks(device_map, [f"{text}.layers", "model.vision_tower.blocks"])
+    placed = {name: device for name, device in device_map.items() if name.startswith(("model.vision_tower", text))}
+    if vision_on_disk:  # the vision blocks, the projector and the whole text model (rotary tables included) on disk
+        assert placed["model.vision_tower.blocks"] == placed[text] == "disk"
+        assert device_map["model.multi_modal_projector"] == "disk"
+    else:
+        layers = {name: device for name, device in placed.items() if name.startswith(f"{text}.layers.")}
+        assert {"cpu", "disk"} <= set(layers.values()) and placed["model.vision_tower"] == "cpu", device_map
 
     processor = tiny_processor(model)
     inputs = chat_inputs(processor, [random_image(23, 37, seed=0)])
