@@ -104,17 +104,21 @@ def checkpoint_layout(model) -> str:
 
 class HeadsFromPublished(KeepsKey):
     """`A_log` as a published layout stores it -> our `[H]`: Kimi Linear's broadcast-ready `[1, 1, H, 1]`, K3's
-    fp32 vector zero-padded to a multiple of 128 heads (the first H entries are the real heads)."""
+    fp32 vector zero-padded to a multiple of 128 heads (the first H entries are the real heads).
+
+    Under tensor parallelism the loader hands over this rank's slice of the first H entries (its heads): the target
+    parameter is then a DTensor, whose local size is the count to keep."""
 
     @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs) -> dict[str, torch.Tensor]:
+    def convert(
+        self, input_dict, source_patterns, target_patterns, config=None, model=None, full_layer_name=None, **kwargs
+    ) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         tensor = (tensors[0] if isinstance(tensors, list) else tensors).reshape(-1)
         heads = sub_config(config, "text_config").linear_num_heads
-        if tensor.numel() < heads and heads % tensor.numel() == 0:
-            # A tensor-parallel load reads each rank's heads only (the plan splits `A_log` by head); a checkpoint
-            # that truly holds fewer heads fails the loader's shape check instead.
-            return {target_patterns[0]: tensor}
+        target = model.get_parameter(full_layer_name) if model is not None and full_layer_name else None
+        if hasattr(target, "to_local"):  # a DTensor laid out by tensor parallelism
+            heads = target.to_local().numel()
         if tensor.numel() < heads:
             raise ValueError(
                 f"The checkpoint's `A_log` has {tensor.numel()} entries but the config has linear_num_heads={heads}; "

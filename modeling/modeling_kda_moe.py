@@ -13,6 +13,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import wraps
 
 import torch
@@ -57,6 +58,30 @@ from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
 from .conversion import checkpoint_layout, layout_config_dict, layout_conversions
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offloaded weights
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def onloaded_weights(*modules: nn.Module):
+    """Within the block, the weights of `modules` are on their execution device also where accelerate offloads them
+    (`from_pretrained(..., device_map=...)` with CPU or disk offload keeps them on the meta device between calls).
+
+    accelerate loads a module's weights only around that module's own forward; a parent that reads a child's weight
+    directly (a fused kernel, the absorbed MLA form, the AttnRes pseudo-query) takes it in this block. Tensors taken
+    from the weights inside the block stay valid after it.
+    """
+    hooked = [(module, module._hf_hook) for module in modules if hasattr(module, "_hf_hook")]
+    for module, hook in hooked:
+        hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        for module, hook in hooked:
+            hook.post_forward(module, None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,9 +313,10 @@ class KdaMoeAttention(nn.Module):
         absorbed = kv_len > seq_len and type(self.kv_b_proj) is nn.Linear
 
         if absorbed:
-            w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.kv_lora_rank).split(
-                [self.qk_nope_head_dim, self.v_head_dim], dim=1
-            )  # [H, nope, kv_lora], [H, v, kv_lora]
+            with onloaded_weights(self.kv_b_proj):
+                w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.kv_lora_rank).split(
+                    [self.qk_nope_head_dim, self.v_head_dim], dim=1
+                )  # [H, nope, kv_lora], [H, v, kv_lora]
             q_nope = torch.matmul(q_nope, w_uk)  # [B, H, T, kv_lora]: the query against the latent
 
         if absorbed and self.decodes_with_kernel(seq_len, latent, attention_mask, kwargs):
@@ -705,7 +731,8 @@ class KdaMoeDeltaAttention(nn.Module):
         else:
             conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
             recorded = 0
-        conv_weight = self.conv1d.weight.squeeze(1)  # [3 * H * K, kernel]
+        with onloaded_weights(self.conv1d, self.o_norm):
+            conv_weight, o_norm_weight = self.conv1d.weight.squeeze(1), self.o_norm.weight  # [3 * H * K, kernel], [K]
         if sequence_shard is not None:
             conv_state = sequence_shard.conv_history(conv_inputs, conv_weight.shape[1])
         token_states = None
@@ -722,7 +749,7 @@ class KdaMoeDeltaAttention(nn.Module):
                 self.dt_bias,
                 recurrent_state,
                 self.output_gate(hidden_states)[:, 0],
-                self.o_norm.weight,
+                o_norm_weight,
                 self.o_norm.variance_epsilon,
                 gate_lower_bound=self.gate_lower_bound,
                 backend=self.backend,
@@ -1132,7 +1159,8 @@ class KdaMoeAttnRes(nn.Module):
     def mix(self, partial: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
         keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
-        query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
+        with onloaded_weights(self.norm, self.proj):
+            query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
         weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
         return (weights[..., None] * values).sum(0).to(partial.dtype)
 
