@@ -61,7 +61,9 @@ def gather_from_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
 class _BlockAttention(torch.autograd.Function):
     """Causal attention of one query block over the keys it can see, key block by key block with an online softmax
     (running max and sum in fp32 or wider); the backward recomputes each block's probabilities from the saved
-    log-sum-exp, so only [B, H, block, block] scores exist at a time and nothing quadratic is kept for the backward.
+    log-sum-exp, so only [B, H, block, block] scores exist at a time and nothing quadratic is kept for the backward
+    (checkpointing each block instead would keep every block's running [B, H, Q, Dv] output as its input: one per key
+    block, quadratic again).
 
     query [B, H, Q, D] of global tokens query_start.., key [B, Hk, S, D] and value [B, Hk, S, Dv] of global tokens
     key_start.. (Hk = 1: one key head shared by every query head, or Hk = H), query_documents [B, Q] and

@@ -162,6 +162,18 @@ def test_context_parallel_mla_step_memory_grows_linearly_with_the_sequence(one_r
     assert dense_growth > 8, dense_growth  # the measure tells quadratic from linear
 
 
+def test_context_parallel_mla_refuses_attention_dropout_in_training(one_rank_group):
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.distributed import context_parallel
+
+    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], attention_dropout=0.1)
+    model = context_parallel(KdaMoeForCausalLM(config), one_rank_group)
+    input_ids = torch.ones(1, 8, dtype=torch.long)
+    model.eval()(input_ids=input_ids)  # no dropout outside training
+    with pytest.raises(ValueError, match="runs MLA without attention dropout"):
+        model.train()(input_ids=input_ids)
+
+
 def rel(actual, expected):
     return ((actual.double() - expected).norm() / expected.norm()).item()
 
