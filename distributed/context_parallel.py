@@ -11,7 +11,8 @@ What each part of the model needs from the other ranks, and how it gets it (with
   their own slice and correct their outputs exactly (`slice_transition` has the math).
 - The short conv before KDA: the previous rank's last `kernel - 1` conv inputs (all-gathered tails).
 - MLA: the keys of every earlier token. The ranks all-gather the compressed latent and the rope key
-  (`kv_lora_rank + qk_rope_head_dim` values per token) and attend under a causal mask offset by the slice start.
+  (`kv_lora_rank + qk_rope_head_dim` values per token) and attend block by block (`blockwise_attention`): no mask
+  over all keys is ever built, so memory grows linearly with the sequence length.
 - Block AttnRes, the MLPs and the experts are token-local. Quantile Balancing already pools its statistics over every
   rank of the default process group, which holds the context-parallel group.
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from ..kernels.kda import kimi_delta_attention
 
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take the offset causal mask as an explicit 4-D mask
+BLOCK_SIZE = 1024  # MLA's query and key blocks: its scores are [B, H, BLOCK_SIZE, BLOCK_SIZE] at a time
 
 
 class _GatherFromRanks(torch.autograd.Function):
@@ -57,6 +58,117 @@ def gather_from_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
     return _GatherFromRanks.apply(tensor, group)
 
 
+class _BlockAttention(torch.autograd.Function):
+    """Causal attention of one query block over the keys it can see, key block by key block with an online softmax
+    (running max and sum in fp32 or wider); the backward recomputes each block's probabilities from the saved
+    log-sum-exp, so only [B, H, block, block] scores exist at a time and nothing quadratic is kept for the backward
+    (checkpointing each block instead would keep every block's running [B, H, Q, Dv] output as its input: one per key
+    block, quadratic again).
+
+    query [B, H, Q, D] of global tokens query_start.., key [B, Hk, S, D] and value [B, Hk, S, Dv] of global tokens
+    key_start.. (Hk = 1: one key head shared by every query head, or Hk = H), query_documents [B, Q] and
+    key_documents [B, S] the document of each token -> [B, H, Q, Dv]. A query sees the keys at or before its own
+    global index in its own document."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, query_documents, key_documents, query_start, key_start, scaling, block_size):
+        accumulate = torch.promote_types(query.dtype, torch.float32)
+        shape = query.shape[:-1] + (1,)
+        row_max = query.new_full(shape, float("-inf"), dtype=accumulate)
+        row_sum = query.new_zeros(shape, dtype=accumulate)
+        output = query.new_zeros(query.shape[:-1] + value.shape[-1:], dtype=accumulate)  # [B, H, Q, Dv]
+        for block, scores in _block_scores(query, key, query_documents, key_documents, query_start, key_start,
+                                           scaling, block_size):  # fmt: skip
+            block_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+            shift = block_max.masked_fill(block_max == float("-inf"), 0.0)  # rows that see no key yet
+            probs = torch.exp(scores - shift)
+            rescale = torch.exp(row_max - shift)
+            row_sum = row_sum * rescale + probs.sum(-1, keepdim=True)
+            output = output * rescale + probs @ value[:, :, block].to(accumulate)
+            row_max = block_max
+        output = (output / row_sum).to(query.dtype)
+        log_sum_exp = row_max + row_sum.log()  # [B, H, Q, 1]
+        ctx.save_for_backward(query, key, value, query_documents, key_documents, output, log_sum_exp)
+        ctx.positions = (query_start, key_start, scaling, block_size)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, query_documents, key_documents, output, log_sum_exp = ctx.saved_tensors
+        query_start, key_start, scaling, block_size = ctx.positions
+        accumulate = log_sum_exp.dtype
+        grad_output = grad_output.to(accumulate)
+        # d loss / d score = p * (d loss / d p - sum_k p_k d loss / d p_k), the sum being rowsum(dO * O)
+        output_dot = (grad_output * output.to(accumulate)).sum(-1, keepdim=True)  # [B, H, Q, 1]
+        grad_query = torch.zeros_like(query, dtype=accumulate)
+        grad_key = torch.zeros_like(key, dtype=accumulate)
+        grad_value = torch.zeros_like(value, dtype=accumulate)
+        for block, scores in _block_scores(query, key, query_documents, key_documents, query_start, key_start,
+                                           scaling, block_size):  # fmt: skip
+            probs = torch.exp(scores - log_sum_exp)  # [B, H, Q, block], 0 where masked
+            grad_value[:, :, block] += _sum_to_heads(probs.mT @ grad_output, value.shape[1])
+            grad_scores = probs * (grad_output @ value[:, :, block].to(accumulate).mT - output_dot) * scaling
+            grad_query += grad_scores @ key[:, :, block].to(accumulate)
+            grad_key[:, :, block] += _sum_to_heads(grad_scores.mT @ query.to(accumulate), key.shape[1])
+        grads = (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype))
+        return *grads, None, None, None, None, None, None
+
+
+def _block_scores(query, key, query_documents, key_documents, query_start, key_start, scaling, block_size):
+    """(key block as a slice, scaled scores [B, H, Q, block] in fp32 or wider, -inf where the query may not look) for
+    each key block in order."""
+    accumulate = torch.promote_types(query.dtype, torch.float32)
+    query_index = torch.arange(query_start, query_start + query.shape[2], device=query.device)
+    query = query.to(accumulate)
+    for first in range(0, key.shape[2], block_size):
+        block = slice(first, min(first + block_size, key.shape[2]))
+        key_index = torch.arange(key_start + block.start, key_start + block.stop, device=key.device)
+        causal = key_index[None, :] <= query_index[:, None]  # [Q, block]
+        same_document = query_documents[:, :, None] == key_documents[:, None, block]  # [B, Q, block]
+        allowed = (causal & same_document)[:, None]  # [B, 1, Q, block]
+        scores = (query @ key[:, :, block].to(accumulate).mT) * scaling
+        yield block, scores.masked_fill(~allowed, float("-inf"))
+
+
+def _sum_to_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """A gradient [B, H, ...] summed over the query heads when the keys / values have one head shared by all."""
+    return grad.sum(1, keepdim=True) if heads == 1 else grad
+
+
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    query_start: int,
+    scaling: float,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """Causal attention of the queries of global tokens query_start.. over the keys of global tokens 0.., within
+    documents, in blocks of `block_size` queries x `block_size` keys: the [queries x keys] mask and scores are never
+    built whole, and the backward recomputes each block (`_BlockAttention`), so memory is linear in the lengths.
+
+    query [B, H, T, D], key [B, Hk, S, D], value [B, Hk, S, Dv] (Hk = 1 or H), sequence_ids [B, >= S] the document of
+    every global token (non-decreasing along a row) -> [B, T, H, Dv]. A query block reads only the key blocks from the
+    start of its first query's document up to its last query: none after it (causal), none of an earlier document.
+    """
+    documents = sequence_ids.contiguous()
+    outputs = []
+    for first in range(0, query.shape[2], block_size):
+        last = min(first + block_size, query.shape[2])
+        begin, end = query_start + first, query_start + last  # the block's global token indices
+        # the start of the block's first document: the first token of the row with that document id
+        first_key = int(torch.searchsorted(documents, documents[:, begin : begin + 1].contiguous()).min())
+        visible = slice(first_key, end)
+        outputs.append(
+            _BlockAttention.apply(
+                query[:, :, first:last], key[:, :, visible], value[:, :, visible], sequence_ids[:, begin:end],
+                sequence_ids[:, visible], begin, first_key, scaling, block_size,
+            )  # fmt: skip
+        )
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class SequenceShard:
     """This rank's slice of the row(s) of one forward, and what its layers need to join the other slices.
@@ -76,32 +188,24 @@ class SequenceShard:
     sequence_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
     continues: bool
+    block_size: int = BLOCK_SIZE
 
     @property
     def end(self) -> int:
         return self.start + self.position_ids.shape[1]
 
-    def layer_masks(self, config, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
-        """The mask each layer type reads: none for KDA (no padding); for MLA the keys each query sees."""
-        masks = {"linear_attention": None}
-        if "full_attention" in config.layer_types:
-            masks["full_attention"] = self.attention_mask(config._attn_implementation, dtype)
-        return masks
-
-    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-        """MLA's mask [B, 1, T, end] over the keys of the global tokens before this slice's end: a query at global
-        index i sees key j <= i of its own document. Boolean (True = attend) for sdpa, additive in `dtype` for eager.
-        Dense, so it grows with slice x sequence length (a ring or a varlen attention kernel would not need it)."""
-        queries = torch.arange(self.start, self.end, device=self.sequence_ids.device)
-        keys = torch.arange(self.end, device=self.sequence_ids.device)
-        causal = keys[None, :] <= queries[:, None]  # [T, end]
-        same_document = self.sequence_ids[:, queries, None] == self.sequence_ids[:, None, : self.end]  # [B, T, end]
-        allowed = (causal & same_document)[:, None]
-        if attn_implementation == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
+    def attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, dropout: float = 0.0
+    ) -> torch.Tensor:
+        """MLA's attention of this slice's queries [B, H, T, D] over the keys [B, Hk, end, D] and values
+        [B, Hk, end, Dv] of every global token up to the slice's end (`gather_keys`), within documents, block by
+        block (`blockwise_attention`) -> [B, T, H, Dv]."""
+        if dropout > 0:
+            raise ValueError(
+                f"context parallelism runs MLA without attention dropout, got attention_dropout={dropout} in "
+                "training: set config.attention_dropout = 0.0."
+            )
+        return blockwise_attention(query, key, value, self.sequence_ids, self.start, scaling, self.block_size)
 
     def gather_keys(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA's compressed keys of every global token before this slice's end.
@@ -216,10 +320,12 @@ def continue_from(output: torch.Tensor, carried_query: torch.Tensor, incoming: t
 
 
 class ContextParallel:
-    """The context-parallel process group of a text model; `shard` describes each forward's slice."""
+    """The context-parallel process group of a text model and MLA's attention block size; `shard` describes each
+    forward's slice."""
 
-    def __init__(self, group):
+    def __init__(self, group, block_size: int = BLOCK_SIZE):
         self.group = group
+        self.block_size = block_size
 
     def shard(
         self, config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache
@@ -235,11 +341,6 @@ class ContextParallel:
             raise ValueError(
                 "context parallelism takes no attention_mask: give each rank its slice of unpadded or packed rows "
                 "(position ids restarting at 0 per document) with `shard_batch`, which drops the mask."
-            )
-        if "full_attention" in config.layer_types and config._attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
-                f"context parallelism runs MLA layers with attn_implementation in {ATTENTION_IMPLEMENTATIONS} (an "
-                f"explicit causal mask offset by the slice start), got {config._attn_implementation!r}."
             )
         group = self.group
         rank = dist.get_rank(group)
@@ -279,7 +380,9 @@ class ContextParallel:
                 torch.full((1,), seq_len, dtype=torch.int64, device=device),
             ])  # fmt: skip
         continues = rank > 0 and bool((sequence_ids[:, start] == sequence_ids[:, start - 1]).all())
-        return SequenceShard(group, rank, start, position_ids, sequence_ids, cu_seqlens, continues)
+        return SequenceShard(
+            group, rank, start, position_ids, sequence_ids, cu_seqlens, continues, block_size=self.block_size
+        )
 
 
 def _context_parallel_group(mesh_or_group):
@@ -298,9 +401,11 @@ def _context_parallel_group(mesh_or_group):
     return mesh_or_group.get_group("cp")
 
 
-def context_parallel(model: torch.nn.Module, mesh_or_group) -> torch.nn.Module:
+def context_parallel(model: torch.nn.Module, mesh_or_group, *, block_size: int = BLOCK_SIZE) -> torch.nn.Module:
     """Split every forward's sequence across `mesh_or_group` (a process group, a 1-D DeviceMesh or a mesh with a
     "cp" dimension): each rank passes its slice (see `shard_batch`). `None` undoes it. Returns the model.
+    `block_size`: MLA's query and key block (`blockwise_attention`), which bounds its scores to
+    [B, heads, block_size, block_size] at a time.
 
     Applies to every kda-moe text model inside `model` (a causal LM, the multimodal model's language model, a
     wrapper around either)."""
@@ -309,9 +414,11 @@ def context_parallel(model: torch.nn.Module, mesh_or_group) -> torch.nn.Module:
     text_models = [module for module in model.modules() if isinstance(module, KdaMoeTextModel)]
     if not text_models:
         raise ValueError(f"context_parallel found no KdaMoeTextModel inside {type(model).__name__}.")
+    if not (isinstance(block_size, int) and block_size > 0):
+        raise ValueError(f"block_size must be a positive int (tokens per MLA attention block), got {block_size!r}.")
     group = _context_parallel_group(mesh_or_group)
     for text_model in text_models:
-        text_model.context_parallel = None if group is None else ContextParallel(group)
+        text_model.context_parallel = None if group is None else ContextParallel(group, block_size)
     return model
 
 
@@ -357,6 +464,7 @@ def shard_batch(batch: dict, group) -> dict:
 __all__ = [
     "ContextParallel",
     "SequenceShard",
+    "blockwise_attention",
     "context_parallel",
     "continue_from",
     "gather_from_ranks",

@@ -325,26 +325,30 @@ class KdaMoeAttention(nn.Module):
             )  # [B, T, H, kv_lora]
             attn_weights = None
         else:
-            if absorbed:
-                key = torch.cat([latent, k_rope], dim=-1).expand(batch_size, heads, kv_len, -1)
-                value = latent.expand(batch_size, heads, kv_len, self.kv_lora_rank)
+            if absorbed:  # one key head, [B, 1, S, kv_lora + rope], and its value, the latent, shared by every head
+                key, value = torch.cat([latent, k_rope], dim=-1), latent
             else:
                 kv = self.kv_b_proj(latent.squeeze(1)).view(batch_size, kv_len, heads, -1).transpose(1, 2)
                 k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, S, nope | v]
                 key = torch.cat([k_nope, k_rope.expand(batch_size, heads, kv_len, -1)], dim=-1)
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-            attn_output, attn_weights = attention_interface(
-                self,
-                torch.cat([q_nope, q_rope], dim=-1),
-                key,
-                value,
-                attention_mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                **kwargs,
-            )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
+            query = torch.cat([q_nope, q_rope], dim=-1)
+            dropout = 0.0 if not self.training else self.attention_dropout
+            if sequence_shard is not None:  # context parallelism: block by block over the gathered keys, no mask
+                attn_output, attn_weights = sequence_shard.attention(query, key, value, self.scaling, dropout), None
+            else:
+                attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                    self.config._attn_implementation, eager_attention_forward
+                )
+                attn_output, attn_weights = attention_interface(
+                    self,
+                    query,
+                    key.expand(batch_size, heads, kv_len, -1),
+                    value.expand(batch_size, heads, kv_len, -1),
+                    attention_mask,
+                    dropout=dropout,
+                    scaling=self.scaling,
+                    **kwargs,
+                )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
         if absorbed:
             attn_output = torch.matmul(attn_output.transpose(1, 2), w_uv.mT).transpose(1, 2)  # [B, T, H, v]
         if self.g_proj is not None:
@@ -1635,8 +1639,8 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        if sequence_shard is not None:
-            mask_mapping = sequence_shard.layer_masks(self.config, inputs_embeds.dtype)
+        if sequence_shard is not None:  # no masks: unpadded slices; MLA masks block by block (`SequenceShard.attention`)
+            mask_mapping = dict.fromkeys(self.config.layer_types)
         elif not isinstance(mask_mapping := attention_mask, dict):
             mask_mapping = layer_type_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None

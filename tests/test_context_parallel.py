@@ -1,18 +1,22 @@
 """Context parallelism on CPU: 2 and 4 gloo processes (`torch.multiprocessing` spawn), each holding an equal slice
 of the same rows of a hybrid model (KDA, MLA with RoPE, KDA, MLA; AttnRes, LatentMoE with Quantile Balancing), in
-fp64, MLA through sdpa on 2 ranks and eager on 4. Every rank checks its logits against its slice of a one-process
-run, the summed loss and the summed parameter gradients against that run's, and that every rank holds the same
-expert biases after the step. Rows: two plain rows, and packed rows whose documents start inside a slice (within the
-short conv's reach of the next slice), exactly at a slice edge, and run across two and three slices. The KDA slice
-math alone runs on one process, on both backends."""
+fp64, MLA in one attention block per slice on 2 ranks and in blocks of 3 tokens on 4. Every rank checks its logits
+against its slice of a one-process run, the summed loss and the summed parameter gradients against that run's, and
+that every rank holds the same expert biases after the step. Rows: two plain rows, and packed rows whose documents
+start inside a slice (within the short conv's reach of the next slice), exactly at a slice edge, and run across two
+and three slices. On one process: the KDA slice math on both backends, MLA's blockwise attention against one masked
+softmax, and the memory of an MLA step under context parallelism, linear in the sequence length."""
 
 import os
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from conftest import tiny_config
 
 from kda_moe.kernels.backend import TRITON_AVAILABLE
@@ -73,6 +77,101 @@ def test_slices_continued_from_composed_transitions_equal_one_pass(backend, pack
     assert rel(output, expected) < output_tolerance
     for name, grad, expected_grad in zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias"), grads, expected_grads):
         assert rel(grad, expected_grad) < grad_tolerance, name
+
+
+@pytest.mark.parametrize("key_heads", [1, 3])
+def test_blockwise_attention_equals_one_masked_softmax(key_heads):
+    """Queries of global tokens 11..28 over keys 0..28 in blocks of 3 x 3 (several key blocks per query block),
+    documents starting inside blocks (4, 14, 23) and at a block edge (26), keys with one head shared by the 3 query
+    heads or one per head: the output and the gradients of one masked softmax over all keys, in fp64."""
+    from kda_moe.distributed.context_parallel import blockwise_attention
+
+    generator = torch.Generator().manual_seed(0)
+    start, length = 11, 29
+    documents = torch.tensor([[0] * 4 + [1] * 10 + [2] * 9 + [3] * 3 + [4] * 3])  # [1, 29]
+    query = torch.randn(1, 3, length - start, 5, generator=generator, dtype=torch.float64).requires_grad_()
+    key = torch.randn(1, key_heads, length, 5, generator=generator, dtype=torch.float64).requires_grad_()
+    value = torch.randn(1, key_heads, length, 4, generator=generator, dtype=torch.float64).requires_grad_()
+    output = blockwise_attention(query, key, value, documents, start, scaling=0.3, block_size=3)
+
+    queries, keys = torch.arange(start, length), torch.arange(length)
+    allowed = (keys <= queries[:, None]) & (documents[0, queries, None] == documents[0, keys])  # [T, S]
+    scores = (query @ key.mT * 0.3).masked_fill(~allowed, float("-inf"))
+    expected = (scores.softmax(-1) @ value).transpose(1, 2)  # [1, T, 3, 4]
+    cotangent = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad((output * cotangent).sum(), (query, key, value))
+    expected_grads = torch.autograd.grad((expected * cotangent).sum(), (query, key, value))
+    assert rel(output, expected) < 1e-12
+    for name, grad, expected_grad in zip(("query", "key", "value"), grads, expected_grads):
+        assert rel(grad, expected_grad) < 1e-12, name
+
+
+class PeakMemory(TorchDispatchMode):
+    """The most bytes that tensors produced inside the block held at once: every new storage an op returns counts
+    until it is freed (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = set()
+
+    def _freed(self, key, nbytes):
+        self.storages.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(result)[0]:
+            if isinstance(tensor, torch.Tensor) and id(storage := tensor.untyped_storage()) not in self.storages:
+                self.storages.add(id(storage))
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+        return result
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_context_parallel_mla_step_memory_grows_linearly_with_the_sequence(one_rank_group):
+    """The peak memory of a forward and backward of a one-MLA-layer model under context parallelism (one rank, blocks
+    of 64) grows about 4x from 256 to 1024 tokens (linear), where the one-process eager step, which builds [T, T]
+    scores, grows far more (quadratic)."""
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.distributed import context_parallel
+
+    def peak(model, length):
+        input_ids = torch.randint(1, 97, (1, length), generator=torch.Generator().manual_seed(length))
+        with PeakMemory() as memory:
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+        model.zero_grad()
+        return memory.peak
+
+    torch.manual_seed(0)
+    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], attn_implementation="eager")
+    model = KdaMoeForCausalLM(config).train()
+    dense_growth = peak(model, 1024) / peak(model, 256)
+    context_parallel(model, one_rank_group, block_size=64)
+    blockwise_growth = peak(model, 1024) / peak(model, 256)
+    assert blockwise_growth < 5, blockwise_growth
+    assert dense_growth > 8, dense_growth  # the measure tells quadratic from linear
+
+
+def test_context_parallel_mla_refuses_attention_dropout_in_training(one_rank_group):
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.distributed import context_parallel
+
+    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], attention_dropout=0.1)
+    model = context_parallel(KdaMoeForCausalLM(config), one_rank_group)
+    input_ids = torch.ones(1, 8, dtype=torch.long)
+    model.eval()(input_ids=input_ids)  # no dropout outside training
+    with pytest.raises(ValueError, match="runs MLA without attention dropout"):
+        model.train()(input_ids=input_ids)
 
 
 def rel(actual, expected):
@@ -166,6 +265,54 @@ def check_bad_inputs(model, group):
         context_parallel(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
 
 
+def check_fsdp_context_parallel(mesh, reference):
+    """FSDP2 (`fully_shard` on every decoder layer and the root) over all 4 ranks of the dp x cp mesh, context
+    parallelism over its "cp" dimension: each dp group holds one row (a plain one, a packed one), cut into 2 slices.
+    The loss summed over cp and averaged over dp, and the gradients FSDP reduces (summed over the 4 ranks, divided by
+    the dp size), equal one process's mean of the two rows' losses and its gradients (each within 1e-5 of its norm:
+    the AttnRes pseudo-queries' gradients sum fp32 products over the tokens, in another order on one process, where
+    the two rows run one after the other); every rank holds the same expert biases."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.distributed import context_parallel, shard_batch
+
+    plain = {name: tensor[:1] for name, tensor in row_inputs(None, reference.config.vocab_size).items()}
+    rows = [plain, row_inputs(ROWS["document start inside a slice"], reference.config.vocab_size)]
+    torch.manual_seed(1)
+    model = KdaMoeForCausalLM(hybrid_config()).double().train()
+    reference.load_state_dict(model.state_dict())
+    expected_loss = sum(reference(**row).loss for row in rows) / len(rows)
+    expected_loss.backward()
+
+    dp_size = mesh["dp"].size()
+    everyone = mesh._flatten("dp_cp")  # FSDP shards over every rank: the cp ranks hold the same parameters too
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=everyone)
+    fully_shard(model, mesh=everyone)
+    for module in model.modules():  # the slices' gradients add up, the rows' average
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(dp_size)
+    context_parallel(model, mesh)
+    loss = model(**shard_batch(rows[mesh["dp"].get_local_rank()], mesh["cp"])).loss
+    loss.backward()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss / dp_size, expected_loss.detach(), rtol=1e-5, atol=0, msg="FSDP x CP: loss")
+    expected_grads = gradients(reference)
+    grads = {name: param.grad.full_tensor() for name, param in model.named_parameters() if param.grad is not None}
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-5 * grad.norm(), f"FSDP x CP: {name}"
+    for name, bias in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            everywhere = [torch.empty_like(bias) for _ in range(dist.get_world_size())]
+            dist.all_gather(everywhere, bias)
+            assert all(torch.equal(b, bias) for b in everywhere), f"FSDP x CP: {name} differs across ranks"
+            assert bias.abs().sum() > 0, f"FSDP x CP: {name} was not updated"
+    reference.zero_grad()
+
+
 def worker(rank, tmpdir):
     from kda_moe import KdaMoeForCausalLM
     from kda_moe.distributed import context_parallel
@@ -180,9 +327,10 @@ def worker(rank, tmpdir):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         check_context_parallel(context_parallel(model, mesh), reference, mesh.get_group("cp"), "2 ranks")
         check_bad_inputs(model, mesh.get_group("cp"))
-        for lm in (model, reference):  # the offset causal mask in both forms: boolean for sdpa, additive for eager
-            lm.config._attn_implementation = "eager"
-        check_context_parallel(context_parallel(model, dist.group.WORLD), reference, dist.group.WORLD, "4 ranks")
+        check_fsdp_context_parallel(mesh, reference)
+        # MLA in blocks of 3 queries x 3 keys: several key blocks per query block, documents starting inside blocks
+        model = context_parallel(model, dist.group.WORLD, block_size=3)
+        check_context_parallel(model, reference, dist.group.WORLD, "4 ranks")
 
         context_parallel(model, None)  # back to one process: whole rows, the one-process logits
         reference.load_state_dict(model.state_dict())
