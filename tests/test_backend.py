@@ -127,12 +127,20 @@ def _package_sources():
     return [path for folder in _shipped_packages() for path in (PACKAGE_ROOT / folder).glob("*.py")]
 
 
-def test_every_source_folder_of_the_package_is_shipped():
-    """A folder of modules left out of pyproject.toml's ``packages`` imports from a checkout but not from a wheel."""
-    outside = {"tests", "benchmarks", "examples"}
-    folders = {path.parent.relative_to(PACKAGE_ROOT).as_posix() for path in PACKAGE_ROOT.rglob("*.py")}
-    folders = {f for f in folders if f.split("/")[0] not in outside and not f.startswith((".", "build"))}
-    assert sorted(folders - {f or "." for f in _shipped_packages()} - {"."}) == []
+def test_every_folder_the_package_imports_from_is_shipped():
+    """A folder of modules left out of pyproject.toml's ``packages`` imports from a checkout but not from a wheel:
+    every relative import of a shipped module must land in a shipped folder."""
+    shipped = {PACKAGE_ROOT / folder for folder in _shipped_packages()}
+    unshipped = []
+    for path in _package_sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                base = path.parents[node.level - 1]
+                target = base.joinpath(*node.module.split(".")) if node.module else base
+                folder = target if target.is_dir() else target.parent
+                if folder.resolve() not in {f.resolve() for f in shipped}:
+                    unshipped.append(f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno} imports from {folder.name}/")
+    assert not unshipped, unshipped
 
 
 def test_triton_is_imported_only_by_the_backend_inside_a_try():
