@@ -140,30 +140,50 @@ def read_suite(out: Path) -> list[dict]:
 
 @torch.no_grad()
 def choice_logliks(model, tokenizer, doc: dict) -> list[float]:
-    """Log-likelihood of each choice after `context\\nquestion`, one forward for all choices (batch = choices)."""
-    prefix = tokenizer(f"{doc['context']}\n{doc['question']}").input_ids
-    options = [tokenizer(choice, add_special_tokens=False).input_ids for choice in doc["choices"]]
-    width = len(prefix) + max(len(o) for o in options)
-    pad = tokenizer.pad_token_id or 0
-    input_ids = torch.full((len(options), width), pad)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, option in enumerate(options):  # right padding: every row's prefix sits at the same positions
-        row = prefix + option
-        input_ids[i, : len(row)] = torch.tensor(row)
-        attention_mask[i, : len(row)] = 1
-    logps = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device)).logits.float().log_softmax(-1)
-    return [
-        sum(logps[i, len(prefix) + j - 1, token].item() for j, token in enumerate(option)) for i, option in enumerate(options)
-    ]
+    """Log-likelihood of each choice after `context\nquestion`. The context runs once (batch 1, logits of its last
+    token only, so a 1M-token context never materialises 1M x vocab logits); a choice longer than one token continues
+    from a copy of the context's cache."""
+    import copy
+
+    device = model.device
+    prefix = torch.tensor([tokenizer(f"{doc['context']}\n{doc['question']}").input_ids], device=device)
+    out = model(input_ids=prefix, use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1].float().log_softmax(-1)
+    logliks = []
+    for choice in doc["choices"]:
+        option = tokenizer(choice, add_special_tokens=False).input_ids
+        loglik = first[option[0]].item()
+        if len(option) > 1:
+            rest = model(
+                input_ids=torch.tensor([option[:-1]], device=device), past_key_values=copy.deepcopy(out.past_key_values)
+            ).logits[0].float().log_softmax(-1)
+            loglik += sum(rest[j, token].item() for j, token in enumerate(option[1:]))
+        logliks.append(loglik)
+    return logliks
 
 
-def score(model, tokenizer, docs: list[dict]) -> dict[tuple[str, int], float]:
-    """Accuracy per (task, length): the chosen answer is the choice of highest log-likelihood."""
+def score(model, tokenizer, docs: list[dict], timings: dict | None = None) -> dict[tuple[str, int], float]:
+    """Accuracy per (task, length): the chosen answer is the choice of highest log-likelihood. With `timings` (a dict),
+    also records per (task, length) the seconds per document and, on CUDA, the peak memory in GiB."""
+    import time
+
     model.eval()
     hits: dict[tuple[str, int], list[bool]] = {}
     for doc in docs:
+        key = (doc["task"], doc["length"])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
         logliks = choice_logliks(model, tokenizer, doc)
-        hits.setdefault((doc["task"], doc["length"]), []).append(max(range(len(logliks)), key=logliks.__getitem__) == doc["label"])
+        hits.setdefault(key, []).append(max(range(len(logliks)), key=logliks.__getitem__) == doc["label"])
+        if timings is not None:
+            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+            seconds, memory = timings.get(key, (0.0, 0.0))
+            timings[key] = (seconds + time.perf_counter() - start, max(memory, peak))
+    if timings is not None:
+        for key in timings:
+            timings[key] = (timings[key][0] / len(hits[key]), timings[key][1])
     return {key: sum(v) / len(v) for key, v in sorted(hits.items())}
 
 
@@ -238,9 +258,11 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", device_map="auto")
-    results = score(model, tokenizer, read_suite(args.out))
+    timings = {}
+    results = score(model, tokenizer, read_suite(args.out), timings)
     for (task, length), acc in results.items():
-        print(f"{task:12s} {length:>9d} tokens  accuracy {acc:.3f}")
+        seconds, memory = timings[task, length]
+        print(f"{task:12s} {length:>9d} tokens  accuracy {acc:.3f}  {seconds:.2f} s/sequence  peak {memory:.1f} GiB")
     if args.plot:
         plot(results, args.plot)
 
