@@ -145,6 +145,8 @@ def choice_logliks(model, tokenizer, doc: dict) -> list[float]:
     from a copy of the context's cache."""
     import copy
 
+    from kda_moe.compat import CACHE_NAME, output_cache
+
     device = model.device
     prefix = torch.tensor([tokenizer(f"{doc['context']}\n{doc['question']}").input_ids], device=device)
     out = model(input_ids=prefix, use_cache=True, logits_to_keep=1)
@@ -154,9 +156,8 @@ def choice_logliks(model, tokenizer, doc: dict) -> list[float]:
         option = tokenizer(choice, add_special_tokens=False).input_ids
         loglik = first[option[0]].item()
         if len(option) > 1:
-            rest = model(
-                input_ids=torch.tensor([option[:-1]], device=device), past_key_values=copy.deepcopy(out.past_key_values)
-            ).logits[0].float().log_softmax(-1)
+            cache = {CACHE_NAME: copy.deepcopy(output_cache(out))}
+            rest = model(input_ids=torch.tensor([option[:-1]], device=device), **cache).logits[0].float().log_softmax(-1)
             loglik += sum(rest[j, token].item() for j, token in enumerate(option[1:]))
         logliks.append(loglik)
     return logliks

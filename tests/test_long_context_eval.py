@@ -1,6 +1,6 @@
 """The long-context evaluation suite (evaluation/long_context.py): generated documents put the decisive facts at the
-asked depth and length, lm-evaluation-harness loads the written task YAMLs, and a tiny model trained briefly by the
-suite scores far above chance (and above its untrained self) on the shortest length."""
+asked depth and length, lm-evaluation-harness loads the written task YAMLs, and the runner's cached scoring equals a
+full forward's log-likelihood."""
 
 import importlib.util
 import json
@@ -56,3 +56,24 @@ def test_lm_eval_loads_the_written_tasks(tmp_path):
     written = json.loads((tmp_path / "data" / "passkey_256.jsonl").read_text().splitlines()[0])
     assert task.doc_to_text(doc) == f"{written['context']}\n{written['question']}"
     assert task.doc_to_choice(doc) == written["choices"] and task.doc_to_target(doc) == written["label"]
+
+
+def test_cached_choice_scoring_matches_full_sequence_loglikelihood():
+    """The runner runs the context once and continues each choice from a copy of its cache; the numbers equal the
+    log-likelihood of the choice's tokens in one forward over context + choice."""
+    import torch
+    from conftest import tiny_model
+
+    lc, tok = suite(), tokenizer()
+    model = tiny_model(vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    doc = lc.make_documents("kv_hops", tok, 64, count=1)[0]
+    doc["choices"] = [" 42", " Mara Quill of the lighthouse"]  # one token and several tokens
+    prefix = tok(f"{doc['context']}\n{doc['question']}").input_ids
+    expected = []
+    for choice in doc["choices"]:
+        option = tok(choice, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            logps = model(torch.tensor([prefix + option])).logits[0].float().log_softmax(-1)
+        expected.append(sum(logps[len(prefix) + j - 1, t].item() for j, t in enumerate(option)))
+    assert lc.choice_logliks(model, tok, doc) == pytest.approx(expected, abs=1e-4)
+
