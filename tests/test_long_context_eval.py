@@ -1,0 +1,79 @@
+"""The long-context evaluation suite (evaluation/long_context.py): generated documents put the decisive facts at the
+asked depth and length, lm-evaluation-harness loads the written task YAMLs, and the runner's cached scoring equals a
+full forward's log-likelihood."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[1] / "evaluation" / "long_context.py"
+
+
+def suite():
+    spec = importlib.util.spec_from_file_location("kda_moe_long_context_eval", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kda_moe.processing import TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+@pytest.mark.parametrize("task", ["passkey", "kv_hops", "tool_trace"])
+def test_documents_have_the_asked_length_and_place_the_fact_at_depth(task):
+    lc, tok = suite(), tokenizer()
+    shallow, deep = lc.make_documents(task, tok, 512, count=2)
+    for doc in (shallow, deep):
+        tokens = len(tok(doc["context"]).input_ids)
+        assert 512 <= tokens < 512 + 80, tokens
+        assert len(doc["choices"]) == lc.NUM_CHOICES and 0 <= doc["label"] < lc.NUM_CHOICES
+    answer = shallow["choices"][shallow["label"]].strip()
+    # depth 0 puts the decisive fact first, depth 1 near the end
+    assert shallow["context"].find(answer) < len(shallow["context"]) // 4
+    assert deep["context"].rfind(deep["choices"][deep["label"]].strip()) > len(deep["context"]) // 2
+    if task == "tool_trace":
+        assert "error" in shallow["context"] and "retry" in shallow["question"]
+
+
+def test_lm_eval_loads_the_written_tasks(tmp_path):
+    lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
+    lc, tok = suite(), tokenizer()
+    lc.write_suite(tmp_path, tok, lengths=[256], count=3)
+    manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    loaded = manager.load(["kda_long_context"])
+    tasks = loaded["tasks"]
+    assert set(loaded["group_map"]["kda_long_context"]) == set(tasks)
+    assert set(tasks) == {"kda_passkey_256", "kda_kv_hops_256", "kda_tool_trace_256"}
+    task = tasks["kda_passkey_256"]
+    doc = next(iter(task.test_docs()))
+    written = json.loads((tmp_path / "data" / "passkey_256.jsonl").read_text().splitlines()[0])
+    assert task.doc_to_text(doc) == f"{written['context']}\n{written['question']}"
+    assert task.doc_to_choice(doc) == written["choices"] and task.doc_to_target(doc) == written["label"]
+
+
+def test_cached_choice_scoring_matches_full_sequence_loglikelihood():
+    """The runner runs the context once and continues each choice from a copy of its cache; the numbers equal the
+    log-likelihood of the choice's tokens in one forward over context + choice."""
+    import torch
+    from conftest import tiny_model
+
+    lc, tok = suite(), tokenizer()
+    model = tiny_model(vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    doc = lc.make_documents("kv_hops", tok, 64, count=1)[0]
+    doc["choices"] = [" 42", " Mara Quill of the lighthouse"]  # one token and several tokens
+    prefix = tok(f"{doc['context']}\n{doc['question']}").input_ids
+    expected = []
+    for choice in doc["choices"]:
+        option = tok(choice, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            logps = model(torch.tensor([prefix + option])).logits[0].float().log_softmax(-1)
+        expected.append(sum(logps[len(prefix) + j - 1, t].item() for j, t in enumerate(option)))
+    assert lc.choice_logliks(model, tok, doc) == pytest.approx(expected, abs=1e-4)
+
