@@ -177,10 +177,9 @@ def write_k3_folder(folder, state: dict[str, torch.Tensor], config: dict = K3_CO
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def randomized_model(config) -> KdaMoeForConditionalGeneration:
-    """A model whose every weight is random (AttnRes pseudo-queries and biases start at zero otherwise)."""
-    torch.manual_seed(0)
-    model = KdaMoeForConditionalGeneration(config).eval()
+def randomize_parameters(model: torch.nn.Module) -> None:
+    """Every parameter random (AttnRes pseudo-queries and biases start at zero otherwise): A_log in [0, 2], other
+    vectors (norm weights, dt_bias) in [0.5, 1.5], matrices N(0, 0.1)."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("A_log"):
@@ -189,6 +188,14 @@ def randomized_model(config) -> KdaMoeForConditionalGeneration:
                 parameter.uniform_(0.5, 1.5)
             else:
                 parameter.normal_(0.0, 0.1)
+
+
+def randomized_model(config) -> KdaMoeForConditionalGeneration:
+    """A model whose every weight is random, the routers' balancing biases (buffers) included."""
+    torch.manual_seed(0)
+    model = KdaMoeForConditionalGeneration(config).eval()
+    randomize_parameters(model)
+    with torch.no_grad():
         for layer in model.model.language_model.layers:
             if getattr(layer.mlp, "gate", None) is not None:
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.01)

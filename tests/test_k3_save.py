@@ -17,6 +17,7 @@ from test_k3_layout import (
     model_inputs,
     mxfp4_quantization_config,
     pack_experts_mxfp4,
+    randomize_parameters,
     randomized_model,
     write_k3_folder,
 )
@@ -68,16 +69,7 @@ def kimi_linear_model() -> KdaMoeForCausalLM:
     )
     torch.manual_seed(0)
     model = KdaMoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("A_log"):
-                parameter.uniform_(0.0, 2.0)
-            elif name.endswith("e_score_correction_bias"):
-                parameter.normal_(0.0, 0.1)
-            elif parameter.ndim == 1:
-                parameter.uniform_(0.5, 1.5)
-            else:
-                parameter.normal_(0.0, 0.1)
+    randomize_parameters(model)
     return model
 
 
