@@ -1,8 +1,9 @@
 """Compile every KDA kernel, the MLA decode attention and the MoE decode kernels for an H100 / H200 (sm_90) on a
 machine without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the
 chunked forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine
-kernels, and the MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts:
-64 experts, top-8, width 1024, intermediate 512). Device time is scarce; spills, shared-memory overflows and compile
+kernels, the MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts:
+64 experts, top-8, width 1024, intermediate 512, and the projection kernel on a KDA layer's six input projections at
+1 and 16 tokens). Device time is scarce; spills, shared-memory overflows and compile
 errors (the interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
@@ -98,6 +99,7 @@ def compile_all(dtype, forward_fields, backward_fields):
             hidden, weights = torch.zeros(tokens, L, dtype=dtype), torch.zeros(tokens, top_k)
             moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, "situ", 4.0, 25.0,
                                          moe_decode.moe_decode_launch(tokens, L, I))
+        compile_projections(dtype)
     finally:
         JITFunction.run = launch
     return compiled
@@ -113,6 +115,18 @@ def compile_mla_decode(dtype):
     launch = decode.mla_decode_launch(B, H * T, S, L, dtype, multiprocessors=132)
     for mask in (None, torch.ones(B, 1, T, S, dtype=torch.bool)):
         decode.launch_mla_decode(*inputs, mask, (L + R) ** -0.5, launch)
+
+
+def compile_projections(dtype):
+    """The projection kernel on a KDA layer's six input projections of the anchor config (width 1024, 8 heads of
+    128) at 1 and 16 token rows."""
+    from kda_moe.kernels.linear import MAX_PROJECTION_TOKENS, decode
+
+    hidden = 1024
+    weights = [torch.zeros(n, hidden, dtype=dtype) for n in (1024, 1024, 1024, 128, 8, 128)]
+    for tokens in (1, MAX_PROJECTION_TOKENS):
+        x = torch.zeros(tokens, hidden, dtype=dtype)
+        decode.launch_projections(x, weights, decode.projection_launch(tokens, hidden, dtype))
 
 
 def main():

@@ -52,8 +52,9 @@ from ..distributed.tensor_parallel import data_parallel_group_of_mesh
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.backend import resolve_backend
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
+from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
-from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode
+from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode, top_k_routing
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -82,6 +83,42 @@ def onloaded_weights(*modules: nn.Module):
     finally:
         for module, hook in hooked:
             hook.post_forward(module, None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Linear projections of one input
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """A bias-free `nn.Linear` whose call is its weight's product alone: no adapter around it (PEFT replaces the
+    module or parametrizes its weight), no hooks (tensor-parallel plans, accelerate's offloading), no replaced
+    forward."""
+    return (
+        type(module) is nn.Linear
+        and module.bias is None
+        and not parametrize.is_parametrized(module)
+        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    )
+
+
+def linear_projections(hidden_states: torch.Tensor, *linears: nn.Module, backend: str) -> tuple[torch.Tensor, ...]:
+    """Each of `linears` applied to `hidden_states` [..., d]. A decoding step's few tokens go through
+    `decode_projections`, one launch for all of them, when the backend resolves to Triton, every module
+    `is_plain_linear` and the kernel takes the tensors (`fits_projection_kernel`) outside autograd and autocast;
+    anything else calls the modules one by one."""
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, d]
+    weights = [linear.weight for linear in linears]
+    if (
+        not all(map(is_plain_linear, linears))
+        or not fits_projection_kernel(rows, weights)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
+        or torch.is_autocast_enabled(hidden_states.device.type)
+        or resolve_backend(backend, hidden_states, *weights) != "triton"
+    ):
+        return tuple(linear(hidden_states) for linear in linears)
+    outputs = decode_projections(rows, weights, backend="triton")
+    return tuple(output.view(*hidden_states.shape[:-1], -1) for output in outputs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,15 +324,20 @@ class KdaMoeAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, seq_len = hidden_states.shape[:2]
 
-        if self.q_lora_rank is None:
-            query = self.q_proj(hidden_states)
-        else:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        # the projections of the input (in one launch for a decoding step's few tokens): the query or its low-rank
+        # factor, the compressed key-value latent with the rotary key, the output gate
+        query_proj = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        query, compressed, *gate = linear_projections(
+            hidden_states, query_proj, self.kv_a_proj_with_mqa, *filter(None, [self.g_proj]),
+            backend=self.config.kernel_backend,
+        )
+        if self.q_lora_rank is not None:
+            query = self.q_b_proj(self.q_a_layernorm(query))
         heads = query.shape[-1] // self.qk_head_dim  # this rank's heads under tensor parallelism, else all of them
         query = query.view(batch_size, seq_len, heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, nope + rope]
         q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latent, k_rope = compressed.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent).view(batch_size, 1, seq_len, self.kv_lora_rank)
         k_rope = k_rope.view(batch_size, 1, seq_len, self.qk_rope_head_dim)
         if position_embeddings is not None:
@@ -351,8 +393,8 @@ class KdaMoeAttention(nn.Module):
                 )  # [B, T, H, v] (absorbed: [B, T, H, kv_lora])
         if absorbed:
             attn_output = torch.matmul(attn_output.transpose(1, 2), w_uv.mT).transpose(1, 2)  # [B, T, H, v]
-        if self.g_proj is not None:
-            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states)).view(batch_size, seq_len, heads, -1)
+        if gate:
+            attn_output = attn_output * torch.sigmoid(gate[0]).view(batch_size, seq_len, heads, -1)
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_len, -1))
         return attn_output, attn_weights
 
@@ -663,11 +705,6 @@ class KdaMoeDeltaAttention(nn.Module):
         self.o_norm = KdaMoeGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=config.kernel_backend)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
-    def output_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.g_proj is not None:
-            return self.g_proj(hidden_states)
-        return self.g_b_proj(self.g_a_proj(hidden_states))
-
     def delta_rule_with_token_states(
         self, kda_inputs: tuple[torch.Tensor, ...], initial_state: torch.Tensor | None, recorded: int
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -710,19 +747,25 @@ class KdaMoeDeltaAttention(nn.Module):
         every earlier slice."""
         batch_size, seq_len = hidden_states.shape[:2]
 
-        gate_logits = self.f_b_proj(self.f_a_proj(hidden_states))
-        beta_logits = self.b_proj(hidden_states)
         if attention_mask is not None:
             # Padding must leave the state as if the pad tokens were absent: they enter the conv as zeros, and their
             # decay and write strength become exactly 0 (the most negative logit saturates both gates to 0).
             pad = ~attention_mask.bool()[..., None]
             hidden_states = hidden_states.masked_fill(pad, 0.0)
+        # the six projections of the input, in one launch for a decoding step's few tokens
+        query, key, value, gate_low_rank, beta_logits, output_gate = linear_projections(
+            hidden_states,
+            self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj if self.g_proj is not None else self.g_a_proj,
+            backend=self.backend,
+        )
+        gate_logits = self.f_b_proj(gate_low_rank)
+        if self.g_proj is None:
+            output_gate = self.g_b_proj(output_gate)
+        if attention_mask is not None:
             gate_logits = gate_logits.masked_fill(pad, torch.finfo(gate_logits.dtype).min)
             beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
 
-        conv_inputs = torch.cat(
-            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
-        )
+        conv_inputs = torch.cat([query, key, value], dim=-1)
         # Under tensor parallelism every per-head tensor holds this rank's heads only: widths come from the tensors.
         width = conv_inputs.shape[-1] // 3
         head_shape = (batch_size, seq_len, width // self.head_dim, self.head_dim)
@@ -752,7 +795,7 @@ class KdaMoeDeltaAttention(nn.Module):
                 self.A_log,
                 self.dt_bias,
                 recurrent_state,
-                self.output_gate(hidden_states)[:, 0],
+                output_gate[:, 0],
                 o_norm_weight,
                 self.o_norm.variance_epsilon,
                 gate_lower_bound=self.gate_lower_bound,
@@ -789,7 +832,7 @@ class KdaMoeDeltaAttention(nn.Module):
                     cu_seqlens=cu_seqlens,
                     backend=self.backend,
                 )  # [B, T, H, V], [B, H, K, V] fp32
-            output = self.o_norm(core_attn_out, self.output_gate(hidden_states).view(head_shape))
+            output = self.o_norm(core_attn_out, output_gate.view(head_shape))
         if layer_cache is not None:
             layer_cache.update_states(
                 conv_state, recurrent_state, seq_len, conv_inputs=conv_inputs, token_states=token_states
@@ -812,9 +855,11 @@ class KdaMoeMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = KdaMoeGatedActivation(config)
+        self.backend = config.kernel_backend
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
+        gate, up = linear_projections(hidden_states, self.gate_proj, self.up_proj, backend=self.backend)
+        return self.down_proj(self.act_fn(gate, up))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -932,36 +977,31 @@ class KdaMoeRouter(nn.Module):
         self.bias_update_rate = config.router_bias_update_rate
         self.balancing_iterations = config.router_balancing_iterations
         self.balancing_bins = config.router_balancing_bins
+        self.backend = config.kernel_backend
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward, for logging
         self._pending_bias: torch.Tensor | None = None
         self.balancing_group = DEFAULT_GROUP  # the ranks whose statistics balancing pools (`set_balancing_group`)
 
-    def select_experts(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
-        """Top-k over `scores + bias`, restricted to the best `topk_group` of `n_group` expert groups."""
-        if self.n_group > 1:
-            grouped = scores_for_choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, n_group]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            keep = keep[..., None].expand_as(grouped).reshape_as(scores_for_choice)
-            scores_for_choice = scores_for_choice.masked_fill(~keep, float("-inf"))
-        return scores_for_choice.topk(self.top_k, dim=-1).indices
-
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states [N, d] -> (router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_indices [N, k])."""
         router_logits = F.linear(hidden_states.float(), self.weight.float())
-        scores = router_logits.sigmoid()
-        topk_indices = self.select_experts(scores.detach() + self.e_score_correction_bias)
-        topk_weights = scores.gather(1, topk_indices)
-        if self.renormalize:
-            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-        topk_weights = topk_weights * self.routed_scaling_factor
-
+        # the Triton kernel has no backward and no expert groups: training and grouped routing take the reference
+        kernel_routes = self.n_group == 1 and not router_logits.requires_grad
+        topk_weights, topk_indices = top_k_routing(
+            router_logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            renormalize=self.renormalize,
+            scale=self.routed_scaling_factor,
+            backend=self.backend if kernel_routes else "torch",
+        )
         self.last_load = expert_loads(topk_indices, self.num_experts)
         if self.balancing != "none" and self.training and torch.is_grad_enabled():
-            self._stage_bias_update(scores.detach(), router_logits)
+            self._stage_bias_update(router_logits.detach().sigmoid(), router_logits)
         return router_logits, topk_weights, topk_indices
 
     @torch.no_grad()
@@ -1557,6 +1597,28 @@ def packed_sequence_boundaries(position_ids: torch.Tensor | None, batch_size: in
     return torch.cat([starts, end]).to(torch.int64)
 
 
+# attention implementations whose mask `static_cache_causal_mask` builds: SDPA's boolean one, eager's additive one
+STATIC_MASKS = ("sdpa", "eager")
+
+
+def static_cache_causal_mask(
+    attention_mask: torch.Tensor, cache: "KdaMoeStaticCache", new_tokens: int, dtype: torch.dtype, additive: bool
+) -> torch.Tensor:
+    """MLA layers' mask over a static cache's `S = max_cache_len` positions, [B, 1, T, S], from the 2-D padding mask
+    [B, L] of the cached and the `T` new tokens: new token t, held at position L - T + t, sees position s when
+    s <= L - T + t and the padding mask keeps s. The mask transformers' `create_causal_mask` gives a static cache,
+    from the mask's shape alone (no read of the cache's token count), in a few tensor operations: generate() builds
+    one outside the compiled step at every token, so its host time is part of every step."""
+    length, size = attention_mask.shape[1], cache.get_max_length()
+    keep = F.pad(attention_mask.bool(), (0, size - length))[:, None, None, :]  # [B, 1, 1, S]
+    positions = torch.arange(size, device=attention_mask.device)
+    newest = torch.arange(length - new_tokens, length, device=attention_mask.device)[:, None]  # [T, 1]
+    visible = keep & (positions <= newest)  # [B, 1, T, S]
+    if not additive:
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
 def layer_type_masks(
     config: KdaMoeTextConfig,
     inputs_embeds: torch.Tensor,
@@ -1565,9 +1627,17 @@ def layer_type_masks(
     position_ids: torch.Tensor,
 ) -> dict[str, torch.Tensor | None]:
     """The mask each layer type reads, from a 2-D padding mask (or None): KDA layers the padding of the new tokens
-    (None for a one-token step), MLA layers transformers' causal mask over the cache."""
+    (None for a one-token step), MLA layers transformers' causal mask over the cache (built directly for a static
+    cache under SDPA or eager attention)."""
     masks = {"linear_attention": create_recurrent_attention_mask(config, inputs_embeds, attention_mask, cache)}
-    if "full_attention" in config.layer_types:
+    if "full_attention" not in config.layer_types:
+        return masks
+    implementation = config._attn_implementation
+    if isinstance(cache, KdaMoeStaticCache) and attention_mask is not None and implementation in STATIC_MASKS:
+        masks["full_attention"] = static_cache_causal_mask(
+            attention_mask, cache, inputs_embeds.shape[1], inputs_embeds.dtype, additive=implementation == "eager"
+        )
+    else:
         masks["full_attention"] = create_causal_mask(
             config, inputs_embeds, attention_mask, cache, position_ids=position_ids
         )
@@ -1676,6 +1746,15 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def create_masks_for_generate(
+        self, config: PreTrainedConfig, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs
+    ) -> dict[str, torch.Tensor | None]:
+        """The per-layer-type masks of a generation step on a compileable cache (transformers' hook, called outside
+        the compiled step with the cache under this version's `CACHE_NAME`): `layer_type_masks`."""
+        return layer_type_masks(
+            config.get_text_config(), inputs_embeds, attention_mask, kwargs[CACHE_NAME], kwargs.get("position_ids")
+        )
+
     # generate() checks its kwargs against this method's signature: keep transformers' (only `__wrapped__` is set)
     @wraps(GenerationMixin.prepare_inputs_for_generation, assigned=())
     def prepare_inputs_for_generation(self, *args, **kwargs):
@@ -1688,8 +1767,8 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
             tokens = model_inputs.get("input_ids")
             tokens = model_inputs["inputs_embeds"] if tokens is None else tokens
             shape_only = torch.empty(*tokens.shape[:2], 0, dtype=self.dtype, device=tokens.device)  # [B, T, 0]
-            model_inputs["attention_mask"] = layer_type_masks(
-                self.config.get_text_config(), shape_only, mask, cache, model_inputs.get("position_ids")
+            model_inputs["attention_mask"] = self.create_masks_for_generate(
+                self.config, shape_only, mask, **{CACHE_NAME: cache}, position_ids=model_inputs.get("position_ids")
             )
         return model_inputs
 

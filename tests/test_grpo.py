@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from kda_testing import rel
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -123,5 +124,5 @@ def test_agentic_recipe_runs_the_tool_loop_and_trains(tmp_path):
     assert log["grad_norm"] > 0 or log["reward_std"] == 0, log
     reloaded = example.save_and_reload(trainer, str(tmp_path / "final"))
     probe = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():
-        assert torch.allclose(reloaded(probe).logits, trainer.model.eval()(probe).logits)
+    with torch.no_grad():  # equal weights at other addresses, where CPU GEMMs may round differently: fp32 rounding
+        assert rel(reloaded(probe).logits, trainer.model.eval()(probe).logits) < 1e-5

@@ -14,7 +14,8 @@ from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 from kda_moe import KdaMoeCache, KdaMoeStaticCache
 from kda_moe.compat import CACHE_NAME, output_cache
-from kda_moe.modeling.modeling_kda_moe import KdaMoeStaticLinearAttentionCacheLayer
+from kda_moe.modeling.modeling_kda_moe import KdaMoeStaticLinearAttentionCacheLayer, layer_type_masks
+from transformers.masking_utils import create_causal_mask
 
 NEW_TOKENS = 6
 GREEDY = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -112,6 +113,29 @@ def test_static_compiled_greedy_matches_eager_dynamic_greedy(model, batch_size, 
     assert graphs == 1  # the decode step, compiled at the first step and replayed by the other NEW_TOKENS - 2
     assert len(addresses) == NEW_TOKENS and all(step == allocated for step in addresses)
     assert int(cache.get_seq_length()) == input_ids.shape[1] + NEW_TOKENS - 1  # the last token is never fed back
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("new_tokens", [5, 1, 3], ids=["prefill", "step", "three_tokens"])
+def test_static_cache_masks_equal_transformers_causal_masks(new_tokens, implementation):
+    """The MLA mask that generate() builds for every step on a static cache, from the padding mask's shape, equals
+    transformers' `create_causal_mask` (SDPA's boolean, eager's additive one) for a left-padded batch, on a fresh
+    cache and on one holding tokens already."""
+    model = tiny_model(seed=0, attn_implementation=implementation)
+    config = model.config
+    cached = 5 - new_tokens if new_tokens < 5 else 0
+    input_ids, attention_mask = prompts(2)
+    input_ids = torch.cat([input_ids, input_ids[:, -1:].repeat(1, 3)], dim=1)[:, : cached + new_tokens]
+    attention_mask = torch.cat([attention_mask, attention_mask[:, -1:].repeat(1, 3)], dim=1)[:, : cached + new_tokens]
+    cache = KdaMoeStaticCache(config, max_cache_len=11, batch_size=2, dtype=torch.float32, device="cpu")
+    if cached:
+        with torch.no_grad():
+            model(input_ids[:, :cached], attention_mask=attention_mask[:, :cached], **{CACHE_NAME: cache})
+    shape_only = torch.empty(2, new_tokens, 0)
+    ours = layer_type_masks(config, shape_only, attention_mask, cache, position_ids=None)["full_attention"]
+    theirs = create_causal_mask(config, shape_only, attention_mask, cache, position_ids=None)
+    assert ours.shape == (2, 1, new_tokens, 11) and ours.dtype == theirs.dtype
+    assert torch.equal(ours, theirs)
 
 
 def test_generate_allocates_the_static_cache_for_batch_and_max_length(model):

@@ -1,14 +1,15 @@
-"""Routed experts: the few-token decode entry point used by the model, and the gated activation it shares with the
-dense MLP."""
+"""Routed experts: the router's top-k choice and the few-token decode entry point used by the model, and the gated
+activation the experts share with the dense MLP."""
 
 import torch
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
-from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
-from .reference import ACTIVATIONS, gated_activation, routed_experts
+from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
+from .reference import ACTIVATIONS, gated_activation, routed_experts, sigmoid_top_k
 
 if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
+    from .routing import sigmoid_top_k_triton
 
 
 def _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
@@ -67,4 +68,39 @@ def moe_decode(
     return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
 
 
-__all__ = ["MAX_DECODE_TOKENS", "fits_decode_kernel", "gated_activation", "moe_decode", "routed_experts"]
+def top_k_routing(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scale: float = 1.0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid router's choice (``reference.sigmoid_top_k``): router_logits ``[N, E]`` -> (mixing weights ``[N, k]``,
+    expert ids ``[N, k]`` int64, best first). One Triton kernel for fp32 logits of up to ``MAX_ROUTED_EXPERTS``
+    experts without expert groups (``n_group=1``) and without autograd; ``"auto"`` runs anything else on the
+    reference, whose weights carry the gradient to the router."""
+    needs_grad = torch.is_grad_enabled() and router_logits.requires_grad
+    E = router_logits.shape[-1]
+    supported = (router_logits.dim() == 2 and router_logits.dtype == torch.float32 and n_group == 1
+                 and E <= MAX_ROUTED_EXPERTS and not needs_grad)
+    if resolve_backend(backend, router_logits, bias, supported=supported) == "triton":
+        if n_group != 1:
+            raise ValueError(f"the Triton top-k router does not restrict the choice to expert groups (n_group="
+                             f"{n_group}); route on the PyTorch reference (backend=\"torch\" or \"auto\").")
+        return sigmoid_top_k_triton(router_logits, bias, top_k, renormalize=renormalize, scale=scale)
+    return sigmoid_top_k(router_logits, bias, top_k, n_group, topk_group, renormalize, scale)
+
+
+__all__ = [
+    "MAX_DECODE_TOKENS",
+    "fits_decode_kernel",
+    "gated_activation",
+    "moe_decode",
+    "routed_experts",
+    "sigmoid_top_k",
+    "top_k_routing",
+]

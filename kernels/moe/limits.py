@@ -8,6 +8,9 @@ import torch
 # read each expert once as well and keep the tensor cores busier.
 MAX_DECODE_TOKENS = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The most experts the top-k router kernel chooses among: one program holds a token's scores in registers (K3 has
+# 384 experts).
+MAX_ROUTED_EXPERTS = 1024
 
 
 def fits_decode_kernel(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:

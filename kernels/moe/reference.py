@@ -42,3 +42,32 @@ def routed_experts(
     act = gated_activation(gate, up, kind, gate_cap, up_cap).to(hidden_states.dtype)  # [N, k, I]
     out = torch.einsum("nki,nkli->nkl", act.float(), down_proj[top_k_index].float())  # [N, k, l]
     return (out * top_k_weights.float()[..., None]).sum(1).to(hidden_states.dtype)
+
+
+def sigmoid_top_k(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid router's choice: ``scores = sigmoid(router_logits)`` [N, E]; the top ``top_k`` of ``scores + bias``
+    (the bias steers the choice only), restricted to the best ``topk_group`` of ``n_group`` expert groups (a group's
+    score: the sum of its two best); their unbiased scores, renormalised to sum 1 if ``renormalize``, times
+    ``scale``. Returns (weights [N, k] in the logits' dtype, expert ids [N, k] int64, best first)."""
+    scores = router_logits.sigmoid()
+    choice = scores.detach() + bias
+    if n_group > 1:
+        grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, n_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        keep = keep[..., None].expand_as(grouped).reshape_as(choice)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    indices = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, indices

@@ -1,0 +1,123 @@
+"""Several bias-free linear projections of the same few token rows in one launch: ``x @ W_i^T`` for up to
+``MAX_PROJECTIONS`` weights ``W_i [n_i, d]``.
+
+A decoding step multiplies one token per sequence by many weights that read the same input (a KDA layer's q, k, v,
+gate and beta projections). One GEMM each is one launch each, and at one row cuBLAS splits a 1024 x 1024 weight
+into a few dozen tiles only, so each launch reads its weight with a fraction of the GPU. Here every program owns
+``BN`` output channels of one weight: the programs of all weights share one grid (weight i's blocks follow weight
+i - 1's), each streams its ``[BN, d]`` rows once, against all token rows (padded to 16, tl.dot's least M), with fp32
+accumulation (fp32 inputs multiply in full fp32, not tf32), and stores its block rounded to the input dtype. No host
+reads, fixed grid: torch.compile keeps the custom op and a CUDA graph replays it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backend import op_for_call, refuse_autograd, tl, triton
+from .limits import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, fits_projection_kernel
+
+
+@dataclass(frozen=True)
+class ProjectionLaunch:
+    """How the projection kernel is launched; ``projection_launch`` picks one per call."""
+
+    rows: int  # token rows of every tile: all N tokens, padded to a power of two >= 16
+    block_out: int  # output channels per program
+    block_k: int  # reduction slice per loop step
+    warps: int  # warps per program
+
+
+def projection_launch(tokens: int, hidden: int, dtype: torch.dtype) -> ProjectionLaunch:
+    """16 output channels a program, so that a 1024-wide weight alone spreads over 64 programs and a KDA layer's six
+    over about 200; 256-byte reduction slices of each weight row. Not tuned on a GPU yet."""
+    element = torch.finfo(dtype).bits // 8
+    return ProjectionLaunch(
+        rows=max(16, triton.next_power_of_2(tokens)),
+        block_out=16,
+        block_k=min(256 // element, max(16, triton.next_power_of_2(hidden))),
+        warps=4,
+    )
+
+
+@triton.jit
+def _project_block(x, w, o, block, N, n, K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Output channels ``block * BN + [0, BN)`` of ``o [N, n] = x [N, K] @ w [n, K]^T``."""
+    o_t = tl.arange(0, ROWS)
+    o_n = block * BN + tl.arange(0, BN)
+    m_t, m_n = o_t < N, o_n < n
+    acc = tl.zeros((ROWS, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        bx = tl.load(x + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bw = tl.load(w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        acc = tl.dot(bx, tl.trans(bw), acc, input_precision="ieee")
+    tl.store(o + o_t[:, None] * n + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _projections_kernel(x, w0, o0, w1, o1, w2, o2, w3, o3, w4, o4, w5, o5, N,
+                        n0: tl.constexpr, n1: tl.constexpr, n2: tl.constexpr, n3: tl.constexpr, n4: tl.constexpr,
+                        n5: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # the first program of each weight's blocks (weights beyond the call's count have n = 0: no blocks)
+    s1: tl.constexpr = (n0 + BN - 1) // BN
+    s2: tl.constexpr = s1 + (n1 + BN - 1) // BN
+    s3: tl.constexpr = s2 + (n2 + BN - 1) // BN
+    s4: tl.constexpr = s3 + (n3 + BN - 1) // BN
+    s5: tl.constexpr = s4 + (n4 + BN - 1) // BN
+    pid = tl.program_id(0)
+    if pid < s1:
+        _project_block(x, w0, o0, pid, N, n0, K, ROWS, BN, BK)
+    elif pid < s2:
+        _project_block(x, w1, o1, pid - s1, N, n1, K, ROWS, BN, BK)
+    elif pid < s3:
+        _project_block(x, w2, o2, pid - s2, N, n2, K, ROWS, BN, BK)
+    elif pid < s4:
+        _project_block(x, w3, o3, pid - s3, N, n3, K, ROWS, BN, BK)
+    elif pid < s5:
+        _project_block(x, w4, o4, pid - s4, N, n4, K, ROWS, BN, BK)
+    else:
+        _project_block(x, w5, o5, pid - s5, N, n5, K, ROWS, BN, BK)
+
+
+def launch_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
+                       launch: ProjectionLaunch) -> list[torch.Tensor]:
+    """The kernel on contiguous hidden states ``[N, d]`` and weights ``[n_i, d]``; returns the ``[N, n_i]``."""
+    N, K = hidden_states.shape
+    outputs = [hidden_states.new_empty(N, w.shape[0]) for w in weights]
+    unused = MAX_PROJECTIONS - len(weights)  # pointers never read: the first weight and output, with n = 0
+    pointers = [t for pair in zip(weights, outputs) for t in pair] + [weights[0], outputs[0]] * unused
+    widths = [w.shape[0] for w in weights] + [0] * unused
+    grid = (sum(triton.cdiv(n, launch.block_out) for n in widths),)
+    _projections_kernel[grid](hidden_states, *pointers, N, *widths, K=K, ROWS=launch.rows, BN=launch.block_out,
+                              BK=launch.block_k, num_warps=launch.warps)
+    return outputs
+
+
+def _projections(hidden_states: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return launch_projections(hidden_states, weights, projection_launch(*hidden_states.shape, hidden_states.dtype))
+
+
+decode_projections_op = torch.library.custom_op("kda_moe::decode_projections", _projections, mutates_args=())
+
+
+@decode_projections_op.register_fake
+def _(hidden_states, weights):
+    return [hidden_states.new_empty(hidden_states.shape[0], w.shape[0]) for w in weights]
+
+
+def decode_projections_triton(hidden_states: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[hidden_states @ w.T for w in weights]`` in one launch: hidden_states ``[N, d]`` (N <=
+    ``MAX_PROJECTION_TOKENS``), one to ``MAX_PROJECTIONS`` contiguous weights ``[n_i, d]`` of its dtype. Decoding only:
+    no backward."""
+    if not fits_projection_kernel(hidden_states, weights):
+        raise ValueError(
+            f"the Triton projection kernel takes hidden states [N, d] of at most {MAX_PROJECTION_TOKENS} rows in bf16, "
+            f"fp16 or fp32 and 1 to {MAX_PROJECTIONS} contiguous weights [n, d] of that dtype; got hidden states "
+            f"{tuple(hidden_states.shape)} in {hidden_states.dtype} and weights "
+            f"{[(tuple(w.shape), w.dtype, w.is_contiguous()) for w in weights]}. Call the linear layers one by one "
+            "for more rows, and pass weights that match."
+        )
+    refuse_autograd("the Triton projection kernel", [hidden_states, *weights], "the linear layers one by one")
+    return op_for_call(decode_projections_op, _projections)(hidden_states.contiguous(), list(weights))

@@ -1,0 +1,149 @@
+"""The projection kernel (several bias-free linear layers of the same few token rows in one launch) against
+F.linear, and the model's decoding through it.
+
+Without CUDA the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set by conftest.py); on a GPU the same
+tests run compiled. fp32 tolerance: the kernel multiplies in full fp32 (no tf32), so only the summation order
+differs from the float64 product: a few fp32 ulps of the largest output, hence 1e-6.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it on machines without CUDA
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or the Triton interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from bf16_emulation import emulate_bf16  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from kda_testing import rel  # noqa: E402
+
+from kda_moe.kernels import linear  # noqa: E402
+from kda_moe.kernels.linear import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, decode, decode_projections  # noqa: E402
+
+dev = "cpu" if INTERPRETED else "cuda"
+GREEDY = dict(max_new_tokens=3, do_sample=False)
+TRITON_HEADS = dict(linear_head_dim=16)  # the Triton KDA kernels' least head dim
+WIDTHS = (40, 8, 17, 64, 16, 5)  # widths of six weights: no multiple of the 16-channel blocks among most of them
+
+
+def weights_and_input(tokens, widths=WIDTHS, hidden=72, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(n, hidden, generator=gen).to(dev, dtype) for n in widths]
+    return torch.randn(tokens, hidden, generator=gen).to(dev, dtype), weights
+
+
+@pytest.mark.parametrize("tokens", [1, 5, MAX_PROJECTION_TOKENS])
+@pytest.mark.parametrize("count", [1, 2, MAX_PROJECTIONS])
+def test_kernel_matches_f_linear_in_fp32(tokens, count):
+    x, weights = weights_and_input(tokens, WIDTHS[:count])
+    outputs = decode_projections(x, weights, backend="triton")
+    assert len(outputs) == count
+    for w, out in zip(weights, outputs):
+        reference = F.linear(x.double(), w.double())
+        assert out.shape == (tokens, w.shape[0]) and out.dtype == torch.float32
+        assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()
+
+
+def test_bf16_rounds_the_fp32_sum_once(monkeypatch):
+    """bf16 inputs, fp32 accumulation, one rounding of the result (as cuBLAS): each output within one bf16 rounding
+    (2^-8 relative) of the float64 product."""
+    if INTERPRETED:
+        emulate_bf16(monkeypatch)
+    x, weights = weights_and_input(3, dtype=torch.bfloat16)
+    for w, out in zip(weights, decode_projections(x, weights, backend="triton")):
+        assert out.dtype == torch.bfloat16
+        assert rel(out.double(), F.linear(x.double(), w.double())) < 2 ** -8
+
+
+@pytest.mark.parametrize(
+    "problem,match",
+    [
+        ("too_many_tokens", "at most 16 rows"),
+        ("too_many_weights", "1 to 6 contiguous weights"),
+        ("dtype", "of that dtype"),
+        ("transposed_weight", "contiguous weights"),
+    ],
+)
+def test_bad_inputs_name_the_problem(problem, match):
+    x, weights = weights_and_input(MAX_PROJECTION_TOKENS + 1 if problem == "too_many_tokens" else 2)
+    if problem == "too_many_weights":
+        weights = weights + weights[:1]
+    elif problem == "dtype":
+        weights[1] = weights[1].double()
+    elif problem == "transposed_weight":
+        weights[0] = torch.randn(x.shape[1], 40, device=dev).T
+    with pytest.raises(ValueError, match=match):
+        decode_projections(x, weights, backend="triton")
+
+
+def test_gradients_keep_f_linear():
+    """Under autograd (the kernel has no backward) "auto" multiplies with F.linear and the gradients flow."""
+    x, weights = weights_and_input(2)
+    weights = [w.requires_grad_() for w in weights]
+    sum(out.sum() for out in decode_projections(x, weights, backend="auto")).backward()
+    assert all(torch.equal(w.grad, x.sum(0).expand_as(w)) for w in weights)
+
+
+def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
+    """The custom op's fake gives the outputs' shapes (what torch.compile traces); without autograd the wrapper calls
+    the launch code directly, with the op's result."""
+    x, weights = weights_and_input(3)
+    torch.library.opcheck(decode.decode_projections_op, (x, weights), test_utils=("test_schema", "test_faketensor"))
+    dispatched = decode.decode_projections_op(x, weights)
+
+    def fail(*args):
+        raise AssertionError("the projection op went through the dispatcher without autograd")
+
+    monkeypatch.setattr(decode, "decode_projections_op", fail)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(decode_projections(x, weights, backend="triton"), dispatched))
+
+
+def count_kernel_calls(monkeypatch) -> list:
+    calls = []
+    kernel = linear.decode_projections_triton
+    monkeypatch.setattr(linear, "decode_projections_triton",
+                        lambda x, w: calls.append((x.shape[0], len(w))) or kernel(x, w))
+    return calls
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="tests/test_gpu_model.py decodes on the GPU")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_model_decodes_through_the_kernel_with_the_torch_backends_tokens(cache, monkeypatch):
+    """Prefill (2 x 4 = 8 token rows) and decoding steps (2 rows) of every layer take the kernel: a KDA layer's six
+    input projections, an MLA layer's three (query factor, latent, output gate), each dense MLP's and shared
+    expert's two; greedy tokens equal the torch backend's, scores within fp32 rounding."""
+    calls = count_kernel_calls(monkeypatch)
+    models = [tiny_model(seed=0, kernel_backend=backend, **TRITON_HEADS) for backend in ("triton", "torch")]
+    config = models[0].config
+    input_ids = torch.randint(1, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    options = dict(cache_implementation="static") if cache == "static" else {}
+    with torch.no_grad():
+        out = [m.generate(input_ids, output_scores=True, return_dict_in_generate=True, **GREEDY, **options)
+               for m in models]
+    per_forward = sorted([6] * config.layer_types.count("linear_attention")
+                         + [3] * config.layer_types.count("full_attention") + [2] * config.num_hidden_layers)
+    forwards = [calls[i : i + len(per_forward)] for i in range(0, len(calls), len(per_forward))]
+    assert [rows for rows, _ in calls] == [8] * len(per_forward) + [2] * len(per_forward) * (GREEDY["max_new_tokens"] - 1)
+    assert all(sorted(count for _, count in forward) == per_forward for forward in forwards)
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
+
+
+def test_hooked_or_adapted_projections_are_called_as_modules(monkeypatch):
+    """A linear layer with a hook (tensor-parallel plans, offloading) or an adapter keeps its own call: its layer's
+    projections all go module by module."""
+    calls = count_kernel_calls(monkeypatch)
+    model = tiny_model(seed=0, kernel_backend="triton", **TRITON_HEADS).to(dev)
+    attention = model.model.layers[0].self_attn
+    seen = []
+    attention.k_proj.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6]], device=dev))
+    assert seen == [(1, 2, attention.k_proj.out_features)]
+    kda_layers = model.config.layer_types.count("linear_attention")
+    assert [count for _, count in calls].count(6) == kda_layers - 1  # the hooked layer's six went one by one

@@ -1,0 +1,104 @@
+"""The top-k router kernel (sigmoid scores, the bias-steered choice of k experts, their renormalised weights) against
+the PyTorch reference, and the model's routing through it.
+
+Without CUDA the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set by conftest.py); on a GPU the same
+tests run compiled. Weights: fp32 sigmoid, sum and division in both, a GPU's approximate exp gives a few fp32 ulps,
+hence 1e-6 relative.
+"""
+
+import os
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it on machines without CUDA
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or the Triton interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from conftest import tiny_model  # noqa: E402
+
+from kda_moe.kernels.moe import routing, sigmoid_top_k, top_k_routing  # noqa: E402
+
+dev = "cpu" if INTERPRETED else "cuda"
+
+
+def logits_and_bias(N, E, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(N, E, generator=gen) * 3).to(dev), (torch.randn(E, generator=gen) * 0.5).to(dev)
+
+
+@pytest.mark.parametrize("N,E,k", [(1, 8, 2), (5, 64, 8), (3, 384, 8), (2, 6, 6)], ids=["tiny", "anchor", "k3", "all"])
+@pytest.mark.parametrize("renormalize,scale", [(True, 2.5), (False, 1.0)], ids=["renormalized", "raw"])
+def test_kernel_chooses_the_references_experts_with_its_weights(N, E, k, renormalize, scale):
+    """Same experts in the same order (best first), weights within fp32 rounding."""
+    logits, bias = logits_and_bias(N, E)
+    weights, indices = top_k_routing(logits, bias, k, renormalize=renormalize, scale=scale, backend="triton")
+    expected_weights, expected_indices = sigmoid_top_k(logits, bias, k, renormalize=renormalize, scale=scale)
+    assert indices.dtype == torch.int64 and torch.equal(indices, expected_indices)
+    assert torch.allclose(weights, expected_weights, rtol=1e-6, atol=0)
+
+
+def test_the_bias_steers_the_choice_but_not_the_weights():
+    """A large bias on the weakest expert makes it chosen first; its weight stays its unbiased score."""
+    logits, _ = logits_and_bias(1, 16)
+    weakest = int(logits.argmin())
+    bias = torch.zeros(16, device=dev)
+    bias[weakest] = 100.0
+    weights, indices = top_k_routing(logits, bias, 4, renormalize=False, backend="triton")
+    assert int(indices[0, 0]) == weakest
+    assert torch.allclose(weights[0, 0], logits[0, weakest].sigmoid(), rtol=1e-6)
+
+
+def test_bad_inputs_and_expert_groups_name_the_problem():
+    logits, bias = logits_and_bias(2, 8)
+    with pytest.raises(ValueError, match="fp32 logits"):
+        top_k_routing(logits.double(), bias, 2, backend="triton")
+    with pytest.raises(ValueError, match="top_k <= E"):
+        top_k_routing(logits, bias, 9, backend="triton")
+    with pytest.raises(ValueError, match="expert groups"):
+        top_k_routing(logits, bias, 2, n_group=2, topk_group=1, backend="triton")
+
+
+def test_gradients_and_expert_groups_take_the_reference():
+    """Under autograd the weights carry the gradient to the logits; with expert groups only the best groups'
+    experts are chosen."""
+    logits, bias = logits_and_bias(3, 8)
+    logits.requires_grad_()
+    weights, _ = top_k_routing(logits, bias, 2, backend="auto")
+    weights.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with torch.no_grad():
+        _, indices = top_k_routing(logits, bias, 2, n_group=4, topk_group=1, backend="auto")
+    assert (indices // 2 == indices[:, :1] // 2).all()  # both experts of one group of two
+
+
+def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
+    logits, bias = logits_and_bias(3, 8)
+    torch.library.opcheck(routing.sigmoid_top_k_op, (logits, bias, 2, True, 1.0),
+                          test_utils=("test_schema", "test_faketensor"))
+    dispatched = routing.sigmoid_top_k_op(logits, bias, 2, True, 1.0)
+
+    def fail(*args):
+        raise AssertionError("the router op went through the dispatcher without autograd")
+
+    monkeypatch.setattr(routing, "sigmoid_top_k_op", fail)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(top_k_routing(logits, bias, 2, backend="triton"), dispatched))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="tests/test_gpu_model.py decodes on the GPU")
+def test_model_routes_through_the_kernel_with_the_torch_backends_tokens(monkeypatch):
+    """Every sparse layer of every forward of generate() routes through the kernel; greedy tokens equal the torch
+    backend's."""
+    calls = []
+    kernel = routing.sigmoid_top_k_triton
+    monkeypatch.setattr("kda_moe.kernels.moe.sigmoid_top_k_triton",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
+    models = [tiny_model(seed=0, kernel_backend=backend, linear_head_dim=16) for backend in ("triton", "torch")]
+    input_ids = torch.randint(1, 97, (2, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tokens = [m.generate(input_ids, max_new_tokens=3, do_sample=False) for m in models]
+    sparse = models[0].config.mlp_layer_types.count("sparse")
+    assert calls == [8] * sparse + [2] * sparse * 2
+    assert torch.equal(tokens[0], tokens[1])
