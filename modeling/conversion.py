@@ -106,14 +106,20 @@ class HeadsFromPublished(KeepsKey):
     """`A_log` as a published layout stores it -> our `[H]`: Kimi Linear's broadcast-ready `[1, 1, H, 1]`, K3's
     fp32 vector zero-padded to a multiple of 128 heads (the first H entries are the real heads).
 
-    It sees the whole tensor under tensor parallelism too: the `kda_heads` style keeps `A_log` whole on every rank
-    (`distributed/tensor_parallel.py`)."""
+    Tensor parallelism keeps `A_log` whole (the `kda_heads` style), so this sees the whole tensor. A parameter sharded
+    by FSDP (`DistributedConfig(fsdp_size=...)`) is a DTensor: the loader hands over this rank's rows of the stored
+    tensor, and the local size is the count to keep (right for our `[H]`)."""
 
     @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs) -> dict[str, torch.Tensor]:
+    def convert(
+        self, input_dict, source_patterns, target_patterns, config=None, model=None, full_layer_name=None, **kwargs
+    ) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         tensor = (tensors[0] if isinstance(tensors, list) else tensors).reshape(-1)
         heads = sub_config(config, "text_config").linear_num_heads
+        target = model.get_parameter(full_layer_name) if model is not None and full_layer_name else None
+        if hasattr(target, "to_local"):  # a DTensor
+            heads = target.to_local().numel()
         if tensor.numel() < heads:
             raise ValueError(
                 f"The checkpoint's `A_log` has {tensor.numel()} entries but the config has linear_num_heads={heads}; "
