@@ -218,14 +218,13 @@ class KdaMoeTextConfig(PreTrainedConfig):
     model_type = "kda_moe_text"
     keys_to_ignore_at_inference = [CACHE_NAME]  # the output field Trainer must not gather
     # Tensor parallelism: every projection whose output is per head is column-sharded (a rank keeps whole heads),
-    # the KDA conv and per-head parameters follow (`kda_qkv_conv`, `kda_heads`: see `distributed/tensor_parallel.py`),
+    # a KDA layer runs on its heads of the conv and per-head tensors (`kda_heads`: `distributed/tensor_parallel.py`),
     # o_proj is row-sharded with an all-reduce; low-rank inputs (f_a, g_a, q_a, kv_a) stay replicated.
     base_model_tp_plan = {
         # KDA
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.conv1d": "kda_qkv_conv",
         "layers.*.self_attn.f_b_proj": "colwise",
         "layers.*.self_attn.b_proj": "colwise",
         "layers.*.self_attn.g_b_proj": "colwise",

@@ -4,14 +4,19 @@
 model out with the config's `base_model_tp_plan` / `base_model_ep_plan`. transformers' own styles shard the linear
 layers (column-wise by head, `o_proj` row-wise with an all-reduce), MLA's `kv_a_proj_with_mqa` (whose rotary key feeds
 every head) and the norms that see one rank's heads. A KDA layer also holds per-head tensors that are not linear
-weights; the two styles registered here split them by head, so every rank runs the delta rule for its own heads:
+weights: `A_log` [H], `dt_bias` [H * K] and the depthwise conv over the q | k | v channels (weight [3 * H * K, 1, W]).
+The `kda_heads` style registered here keeps them whole on every rank and runs the layer's forward on this rank's heads
+of each, so every rank runs the delta rule for its own heads.
 
-- `kda_qkv_conv`, on the depthwise conv over the q | k | v channels (weight [3 * H * K, 1, W]): each third is split
-  by head (`_StridedShard(0, split_factor=3)`), so a rank keeps the q | k | v channels of its own heads, in order;
-- `kda_heads`, on the KDA module: splits `A_log` [H] and `dt_bias` [H * K] by head (`Shard(0)`) and runs the
-  module's forward with its own and its conv's sharded parameters as local tensors, which the kernels take.
+Why whole rather than sharded: transformers cuts each checkpoint tensor to the rank's slice of its parameter, by the
+parameter's placement, *before* the checkpoint's conversions run. That is right for a tensor stored as the parameter is,
+and wrong for these three in the published layouts: Kimi Linear's `A_log` [1, 1, H, 1], K3's `A_log` zero-padded to
+128 heads, and the separate `{q,k,v}_conv1d` weights that make up our conv (each a third of it, not a strided slice).
+Held whole, they load and convert as in one process, whatever the layout. They are small (a K3 layer's: about 160k
+values), and as for `o_norm` (replicated, seeing one rank's heads) the gradients of their slices are summed over the
+ranks, so the ranks keep identical copies through training.
 
-Importing this module registers both styles (transformers looks a plan's styles up by name).
+Importing this module registers the style (transformers looks a plan's styles up by name).
 """
 
 from contextlib import contextmanager
@@ -20,71 +25,77 @@ import torch
 from torch import nn
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+# A KDA layer's per-head tensors -> the blocks of heads each holds (the conv: q | k | v, each split by head).
+PER_HEAD_TENSORS = {"A_log": 1, "dt_bias": 1, "conv1d.weight": 3}
+
+
+class _SumGradientOverRanks(torch.autograd.Function):
+    """Identity whose backward sums the gradient over `group`: each rank reads only its own heads of a tensor that
+    every rank holds whole, so each rank's gradient covers only those heads."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def heads_of_rank(whole: torch.Tensor, blocks: int, rank: int, ranks: int) -> torch.Tensor:
+    """The rows of `whole` [blocks * N, ...] that rank `rank` of `ranks` owns: its part of each block, in order."""
+    parts = whole.view(blocks, ranks, -1, *whole.shape[1:])  # [blocks, ranks, N / ranks, ...]
+    return parts[:, rank].flatten(0, 1)
 
 
 @contextmanager
-def local_parameters(*modules: nn.Module):
-    """Within the block, the DTensor parameters of `modules` (not of their children) are this rank's local tensors;
-    gradients flow back to the DTensors."""
-    originals = [
-        (module, name, param)
-        for module in modules
-        for name, param in module.named_parameters(recurse=False)
-        if isinstance(param, DTensor)
-    ]
-    for module, name, param in originals:
-        module._parameters[name] = param.to_local()
+def own_heads(attention: nn.Module, mesh):
+    """Within the block, the per-head tensors of a KDA layer (`PER_HEAD_TENSORS`) are this rank's heads of them;
+    their gradients reach the whole parameters, summed over the ranks of `mesh`."""
+    rank, ranks, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
+    originals = []
+    for name, blocks in PER_HEAD_TENSORS.items():
+        module_name, _, param_name = name.rpartition(".")
+        module = attention.get_submodule(module_name)
+        whole = module._parameters[param_name]
+        originals.append((module, param_name, whole))
+        module._parameters[param_name] = heads_of_rank(_SumGradientOverRanks.apply(whole, group), blocks, rank, ranks)
     try:
         yield
     finally:
-        for module, name, param in originals:
-            module._parameters[name] = param
-
-
-def _shard(module: nn.Module, name: str, mesh, placement) -> None:
-    """Replace `module.<name>` (a placeholder before loading) by a DTensor parameter with `placement` on `mesh`."""
-    param = module._parameters.get(name)
-    if param is not None:
-        module._parameters[name] = nn.Parameter(
-            distribute_tensor(param, mesh, [placement], src_data_rank=None), requires_grad=param.requires_grad
-        )
-
-
-class KdaQkvConvParallel(TensorParallelLayer):
-    """The q | k | v depthwise conv weight [3 * H * K, 1, W], each third split by head."""
-
-    def shard_param(self, module, param, mesh, **kwargs):
-        _shard(module, param, mesh, _StridedShard(0, split_factor=3))
+        for module, param_name, whole in originals:
+            module._parameters[param_name] = whole
 
 
 class KdaHeadsParallel(TensorParallelLayer):
-    """A KDA layer's per-head parameters (`A_log`, `dt_bias`) split by head; the forward runs on local parameters.
+    """A KDA layer's per-head tensors held whole on every rank; its forward runs on this rank's heads of them.
 
     The plan names the attention module of every layer (`layers.*.self_attn`), MLA layers included: those hold no
-    parameters of their own and are left as they are.
+    per-head tensors and are left as they are.
     """
-
-    def shard_param(self, module, param, mesh, **kwargs):
-        _shard(module, param, mesh, Shard(0))
 
     def install_forward(self, module, mesh, **kwargs):
         if not hasattr(module, "conv1d"):  # an MLA layer
             return module
+        if module.num_heads % mesh.size():
+            raise ValueError(
+                f"Tensor parallelism over {mesh.size()} ranks splits the KDA heads evenly, but linear_num_heads="
+                f"{module.num_heads}; choose a tensor-parallel size that divides it."
+            )
         forward = module.forward
 
-        def forward_on_local_parameters(*args, **kwargs):
-            with local_parameters(module, module.conv1d):
+        def forward_on_own_heads(*args, **kwargs):
+            with own_heads(module, mesh):
                 return forward(*args, **kwargs)
 
-        module.forward = forward_on_local_parameters
+        module.forward = forward_on_own_heads
         return module
 
 
 if torch.distributed.is_available():
-    ALL_PARALLEL_STYLES.register("kda_qkv_conv", KdaQkvConvParallel())
     ALL_PARALLEL_STYLES.register("kda_heads", KdaHeadsParallel())
 
 

@@ -106,8 +106,9 @@ class HeadsFromPublished(KeepsKey):
     """`A_log` as a published layout stores it -> our `[H]`: Kimi Linear's broadcast-ready `[1, 1, H, 1]`, K3's
     fp32 vector zero-padded to a multiple of 128 heads (the first H entries are the real heads).
 
-    Under tensor parallelism the loader hands over this rank's slice of the first H entries (its heads): the target
-    parameter is then a DTensor, whose local size is the count to keep."""
+    Tensor parallelism keeps `A_log` whole (the `kda_heads` style), so this sees the whole tensor. A parameter sharded
+    by FSDP (`DistributedConfig(fsdp_size=...)`) is a DTensor: the loader hands over this rank's rows of the stored
+    tensor, and the local size is the count to keep (right for our `[H]`)."""
 
     @torch.no_grad()
     def convert(
@@ -117,7 +118,7 @@ class HeadsFromPublished(KeepsKey):
         tensor = (tensors[0] if isinstance(tensors, list) else tensors).reshape(-1)
         heads = sub_config(config, "text_config").linear_num_heads
         target = model.get_parameter(full_layer_name) if model is not None and full_layer_name else None
-        if hasattr(target, "to_local"):  # a DTensor laid out by tensor parallelism
+        if hasattr(target, "to_local"):  # a DTensor
             heads = target.to_local().numel()
         if tensor.numel() < heads:
             raise ValueError(

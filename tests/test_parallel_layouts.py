@@ -8,6 +8,7 @@
   transformers 5.19 (`DistributedConfig(ep_size=2, tp_plan={})`), by masked routes and an all-reduce before
   (`DistributedConfig(tp_size=2, enable_expert_parallel=True)`).
 - FSDP x EP (5.19+): `DistributedConfig(fsdp_size=2, ep_size=2)`, each rank holding half of the batch.
+- TP from the published Kimi Linear and Kimi K3 layouts, whose per-head KDA tensors are stored unlike ours.
 
 Every layout gives the single-process loss and gradients after one forward / backward. Quantile Balancing biases are
 identical on every rank; where the ranks hold the same tokens (TP, EP) they pool nothing and equal the single-process
@@ -18,12 +19,14 @@ one optimizer step, the second step's loss equals the single-process one.
 import importlib.util
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_config
+from multimodal_testing import tiny_multimodal_model
 
 WORLD_SIZE = 2
 VOCAB_SIZE = 98  # transformers 5.17 wants the gathered lm_head output to split evenly
@@ -163,6 +166,109 @@ def test_second_step_after_an_optimizer_step_matches_one_process(runs, layout):
     ranks, reference = runs
     for run in ranks:
         torch.testing.assert_close(run[layout]["loss1"], reference["loss1"], rtol=1e-5, atol=0)
+
+
+PUBLISHED_LAYOUTS = ("kimi_linear", "kimi_k3")
+
+
+def published_layout_model(layout):
+    """A tiny model that `layout` can express, with 4 KDA heads (2 a rank)."""
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.configuration.configuration_kda_moe import KIMI_LINEAR_DEFAULTS
+
+    torch.manual_seed(0)
+    if layout == "kimi_k3":
+        return tiny_multimodal_model(text_config=dict(linear_num_heads=4))
+    return KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE, linear_num_heads=4, **KIMI_LINEAR_DEFAULTS)).eval()
+
+
+def load_published(folder, layout, **kwargs):
+    from kda_moe import KdaMoeForCausalLM, KdaMoeForConditionalGeneration
+
+    model_class = KdaMoeForConditionalGeneration if layout == "kimi_k3" else KdaMoeForCausalLM
+    return model_class.from_pretrained(folder, **kwargs)
+
+
+def logits_and_kda_tensors(model):
+    """Logits of one forward, and the `A_log`, `dt_bias` and conv weight every KDA layer ran with, in layer order."""
+    from kda_moe.modeling import modeling_kda_moe
+
+    seen = {"A_log": [], "dt_bias": [], "conv": []}
+    delta_rule, conv = modeling_kda_moe.kimi_delta_attention, modeling_kda_moe.short_conv
+
+    def recording_delta_rule(query, key, value, gate, beta, A_log, dt_bias, **kwargs):
+        seen["A_log"].append(A_log.detach().clone())
+        seen["dt_bias"].append(dt_bias.detach().clone())
+        return delta_rule(query, key, value, gate, beta, A_log, dt_bias, **kwargs)
+
+    def recording_conv(inputs, weight, **kwargs):
+        seen["conv"].append(weight.detach().clone())
+        return conv(inputs, weight, **kwargs)
+
+    with (
+        mock.patch.object(modeling_kda_moe, "kimi_delta_attention", recording_delta_rule),
+        mock.patch.object(modeling_kda_moe, "short_conv", recording_conv),
+        torch.no_grad(),
+    ):
+        logits = model(batch(0)).logits
+    return logits, seen
+
+
+def published_layout_worker(rank, tmpdir):
+    from transformers.distributed import DistributedConfig
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=WORLD_SIZE)
+    try:
+        results = {}
+        for layout in PUBLISHED_LAYOUTS:
+            model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(tp_size=2))
+            results[layout] = logits_and_kda_tensors(model)
+        torch.save(results, f"{tmpdir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def published_layout_runs(tmp_path_factory):
+    """Per layout: (what each of 2 TP ranks saw, what one process saw), both loaded from the same folder."""
+    tmpdir = tmp_path_factory.mktemp("published_layouts")
+    for layout in PUBLISHED_LAYOUTS:
+        published_layout_model(layout).save_pretrained(tmpdir / layout, layout=layout)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(published_layout_worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
+    ranks = [torch.load(tmpdir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+    single = {layout: logits_and_kda_tensors(load_published(tmpdir / layout, layout)) for layout in PUBLISHED_LAYOUTS}
+    return ranks, single
+
+
+@pytest.mark.parametrize("layout", PUBLISHED_LAYOUTS)
+def test_tensor_parallel_load_of_a_published_layout_runs_each_rank_on_its_own_heads(published_layout_runs, layout):
+    ranks, single = published_layout_runs
+    logits, whole = single[layout]
+    assert len(whole["A_log"]) == len(whole["conv"]) == 3  # the KDA layers
+    for rank, run in enumerate(ranks):
+        rank_logits, local = run[layout]
+        for name, tensors in whole.items():
+            for layer, tensor in enumerate(tensors):
+                blocks = 3 if name == "conv" else 1  # the conv weight is q | k | v, each split by head
+                expected = tensor.view(blocks, WORLD_SIZE, -1, *tensor.shape[1:])[:, rank].flatten(0, 1)
+                torch.testing.assert_close(local[name][layer], expected, rtol=0, atol=0, msg=f"{name} {layer}")
+        torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_kda_heads_is_refused():
+    from types import SimpleNamespace
+
+    from kda_moe import KdaMoeForCausalLM
+    from kda_moe.distributed.tensor_parallel import KdaHeadsParallel
+
+    attention = KdaMoeForCausalLM(tiny_config(linear_num_heads=3)).model.layers[0].self_attn
+    two_ranks = SimpleNamespace(size=lambda: 2)
+    with pytest.raises(ValueError, match="over 2 ranks .* linear_num_heads=3"):
+        KdaHeadsParallel().install_forward(attention, two_ranks)
 
 
 def test_accelerate_fsdp2_config_shards_every_decoder_layer():
