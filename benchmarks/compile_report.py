@@ -2,8 +2,8 @@
 machine without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the
 chunked forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine
 kernels, the MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts:
-64 experts, top-8, width 1024, intermediate 512, and the projection kernel on a KDA layer's six input projections at
-1 and 16 tokens). Device time is scarce; spills, shared-memory overflows and compile
+64 experts, top-8, width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at
+1 and 16 tokens, and the top-k router for 384 experts). Device time is scarce; spills, shared-memory overflows and compile
 errors (the interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
@@ -100,6 +100,7 @@ def compile_all(dtype, forward_fields, backward_fields):
             moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, "situ", 4.0, 25.0,
                                          moe_decode.moe_decode_launch(tokens, L, I))
         compile_projections(dtype)
+        compile_routing()
     finally:
         JITFunction.run = launch
     return compiled
@@ -127,6 +128,14 @@ def compile_projections(dtype):
     for tokens in (1, MAX_PROJECTION_TOKENS):
         x = torch.zeros(tokens, hidden, dtype=dtype)
         decode.launch_projections(x, weights, decode.projection_launch(tokens, hidden, dtype))
+
+
+def compile_routing():
+    """The top-k router kernel for K3's 384 experts, top-8, at 1 and 64 tokens."""
+    from kda_moe.kernels.moe import routing
+
+    for tokens in (1, 64):
+        routing._sigmoid_top_k(torch.zeros(tokens, 384), torch.zeros(384), 8, True, 1.0)
 
 
 def main():
