@@ -1,10 +1,10 @@
-"""Compile every KDA kernel, the MLA decode attention and the MoE decode kernels for an H100 / H200 (sm_90) on a
-machine without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the
-chunked forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine
-kernels, the MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts:
-64 experts, top-8, width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at
-1 and 16 tokens, and the top-k router for 384 experts). Device time is scarce; spills, shared-memory overflows and compile
-errors (the interpreter accepts code the compiler rejects) show up here for free.
+"""Compile every KDA kernel, the MLA decode attention and the MoE decode kernels for an H100 / H200 (sm_90) on a machine
+without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the chunked
+forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine kernels, the
+MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts: 64 experts, top-8,
+width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at 1 and 16 tokens, and
+the top-k router for 384 experts). Device time is scarce; spills, shared-memory overflows and compile errors (the
+interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
 
