@@ -47,6 +47,12 @@ norm as `mm_projector.post_norm`. Every name that rests on that assumption is in
     vision_tower.encoder.final_layernorm                       -> vision_tower.post_norm
     mm_projector.{proj.0, proj.2, post_norm}                   -> multi_modal_projector.{linear_1, linear_2, norm}
 
+Loading sharded: transformers reads each checkpoint tensor as this rank's part of the target parameter before the
+conversions run. Tensor parallelism keeps the KDA conv, `A_log` and `dt_bias` whole (`distributed/tensor_parallel.py`);
+under FSDP (`DistributedConfig(fsdp_size=...)`) the conversions that merge, split or trim a tensor (the q | k | v conv,
+`A_log`, `wqkv`) gather the whole tensors from the ranks and keep this rank's shard of the result
+(`distributed/sharded_loading.py`).
+
 The config side is `KdaMoeTextConfig._from_kimi_linear_keys` (Kimi Linear keys) and
 `KdaMoeConfig._from_kimi_linear_keys` (K3 keys); `KdaMoeTextConfig.to_kimi_linear_dict` and
 `KdaMoeConfig.to_kimi_k3_dict` write them.
@@ -74,6 +80,7 @@ from transformers.core_model_loading import (
 )
 
 from ..configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
+from ..distributed.sharded_loading import on_whole_tensors
 
 # K3 stores `A_log` zero-padded to a multiple of this many heads (96 real heads in 128 slots).
 K3_HEAD_PAD = 128
@@ -106,20 +113,15 @@ class HeadsFromPublished(KeepsKey):
     """`A_log` as a published layout stores it -> our `[H]`: Kimi Linear's broadcast-ready `[1, 1, H, 1]`, K3's
     fp32 vector zero-padded to a multiple of 128 heads (the first H entries are the real heads).
 
-    Tensor parallelism keeps `A_log` whole (the `kda_heads` style), so this sees the whole tensor. A parameter sharded
-    by FSDP (`DistributedConfig(fsdp_size=...)`) is a DTensor: the loader hands over this rank's rows of the stored
-    tensor, and the local size is the count to keep (right for our `[H]`)."""
+    Tensor parallelism keeps `A_log` whole (the `kda_heads` style); FSDP shards it, and the conversion runs on the
+    whole stored tensor (`on_whole_tensors`)."""
 
     @torch.no_grad()
-    def convert(
-        self, input_dict, source_patterns, target_patterns, config=None, model=None, full_layer_name=None, **kwargs
-    ) -> dict[str, torch.Tensor]:
+    @on_whole_tensors
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         tensor = (tensors[0] if isinstance(tensors, list) else tensors).reshape(-1)
         heads = sub_config(config, "text_config").linear_num_heads
-        target = model.get_parameter(full_layer_name) if model is not None and full_layer_name else None
-        if hasattr(target, "to_local"):  # a DTensor
-            heads = target.to_local().numel()
         if tensor.numel() < heads:
             raise ValueError(
                 f"The checkpoint's `A_log` has {tensor.numel()} entries but the config has linear_num_heads={heads}; "
@@ -200,12 +202,13 @@ def moonvit_rope_permutation(head_dim: int) -> torch.Tensor:
 
 class MoonViTQkvToOurs(ConversionOps):
     """`wqkv` `[3D, D]` -> q, k, v `[D, D]` each, with the rows of q and k permuted per head into our rotary layout
-    (`moonvit_rope_permutation`)."""
+    (`moonvit_rope_permutation`); whole `wqkv` where FSDP shards q, k, v (`on_whole_tensors`)."""
 
     def __init__(self, inverse: bool = False):
         self.inverse = inverse
 
     @torch.no_grad()
+    @on_whole_tensors
     def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
         vision = sub_config(config, "vision_config")
         permutation = moonvit_rope_permutation(vision.head_dim)
@@ -226,6 +229,13 @@ class MoonViTQkvToOurs(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return MoonViTQkvToOurs(inverse=not self.inverse)
+
+
+class ConcatenateWhole(Concatenate):
+    """`Concatenate` of the whole checkpoint tensors where FSDP shards the target (`on_whole_tensors`): each rank's
+    rows of the published `{q,k,v}_conv1d` weights are not its shard of our one conv."""
+
+    convert = on_whole_tensors(Concatenate.convert)
 
 
 class DequantizeMxfp4(ConversionOps):
@@ -315,7 +325,7 @@ def kimi_linear_conversions() -> list[WeightRenaming | WeightConverter]:
         WeightConverter(
             source_patterns=["self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight"],
             target_patterns="self_attn.conv1d.weight",
-            operations=[Concatenate(dim=0)],
+            operations=[ConcatenateWhole(dim=0)],
         ),
         # mxfp4 first: converters are tried in order, and on transformers 5.17 `w1.weight` also matches `w1.weight_packed`
         *mxfp4_expert_converters(),

@@ -8,7 +8,9 @@
   transformers 5.19 (`DistributedConfig(ep_size=2, tp_plan={})`), by masked routes and an all-reduce before
   (`DistributedConfig(tp_size=2, enable_expert_parallel=True)`).
 - FSDP x EP (5.19+): `DistributedConfig(fsdp_size=2, ep_size=2)`, each rank holding half of the batch.
-- TP from the published Kimi Linear and Kimi K3 layouts, whose per-head KDA tensors are stored unlike ours.
+- TP and FSDP (`DistributedConfig(fsdp_size=2)`) from the published Kimi Linear and Kimi K3 layouts (K3's routed
+  experts mxfp4), whose KDA conv and `A_log` and vision `wqkv` are stored unlike ours: each rank ends with its part of
+  the single-process parameters and gives the single-process logits.
 
 Every layout gives the single-process loss and gradients after one forward / backward. Quantile Balancing biases are
 identical on every rank; where the ranks hold the same tokens (TP, EP) they pool nothing and equal the single-process
@@ -171,15 +173,19 @@ def test_second_step_after_an_optimizer_step_matches_one_process(runs, layout):
 PUBLISHED_LAYOUTS = ("kimi_linear", "kimi_k3")
 
 
-def published_layout_model(layout):
-    """A tiny model that `layout` can express, with 4 KDA heads (2 a rank)."""
+def save_published_layout(folder, layout):
+    """A tiny model that `layout` can express, with 4 KDA heads (2 a rank), saved in `layout`; K3's routed experts
+    packed mxfp4 (32 weights a scale: expert matrices 32 wide, also each TP rank's half)."""
     from kda_moe import KdaMoeForCausalLM
     from kda_moe.configuration.configuration_kda_moe import KIMI_LINEAR_DEFAULTS
 
     torch.manual_seed(0)
     if layout == "kimi_k3":
-        return tiny_multimodal_model(text_config=dict(linear_num_heads=4))
-    return KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE, linear_num_heads=4, **KIMI_LINEAR_DEFAULTS)).eval()
+        text = dict(linear_num_heads=4, routed_expert_hidden_size=32, moe_intermediate_size=64)
+        tiny_multimodal_model(text_config=text).save_pretrained(folder, layout=layout, quantize_experts="mxfp4")
+        return
+    model = KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE, linear_num_heads=4, **KIMI_LINEAR_DEFAULTS))
+    model.save_pretrained(folder, layout=layout)
 
 
 def load_published(folder, layout, **kwargs):
@@ -225,6 +231,9 @@ def published_layout_worker(rank, tmpdir):
         for layout in PUBLISHED_LAYOUTS:
             model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(tp_size=2))
             results[layout] = logits_and_kda_tensors(model)
+            model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(fsdp_size=2))
+            parameters = {name: full(parameter) for name, parameter in model.named_parameters()}
+            results[f"{layout}_fsdp"] = logits_and_kda_tensors(model)[0], parameters
         torch.save(results, f"{tmpdir}/rank{rank}.pt")
         dist.barrier()
     finally:
@@ -233,14 +242,19 @@ def published_layout_worker(rank, tmpdir):
 
 @pytest.fixture(scope="module")
 def published_layout_runs(tmp_path_factory):
-    """Per layout: (what each of 2 TP ranks saw, what one process saw), both loaded from the same folder."""
+    """Per layout, and per layout loaded with FSDP (`{layout}_fsdp`): what each of 2 ranks saw, what one process saw,
+    all loaded from the same folder."""
     tmpdir = tmp_path_factory.mktemp("published_layouts")
     for layout in PUBLISHED_LAYOUTS:
-        published_layout_model(layout).save_pretrained(tmpdir / layout, layout=layout)
+        save_published_layout(tmpdir / layout, layout)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     mp.spawn(published_layout_worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
     ranks = [torch.load(tmpdir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
-    single = {layout: logits_and_kda_tensors(load_published(tmpdir / layout, layout)) for layout in PUBLISHED_LAYOUTS}
+    single = {}
+    for layout in PUBLISHED_LAYOUTS:
+        model = load_published(tmpdir / layout, layout)
+        single[layout] = logits_and_kda_tensors(model)
+        single[f"{layout}_fsdp"] = single[layout][0], {name: p.detach() for name, p in model.named_parameters()}
     return ranks, single
 
 
@@ -257,6 +271,36 @@ def test_tensor_parallel_load_of_a_published_layout_runs_each_rank_on_its_own_he
                 expected = tensor.view(blocks, WORLD_SIZE, -1, *tensor.shape[1:])[:, rank].flatten(0, 1)
                 torch.testing.assert_close(local[name][layer], expected, rtol=0, atol=0, msg=f"{name} {layer}")
         torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", PUBLISHED_LAYOUTS)
+def test_fsdp_load_of_a_published_layout_gives_every_rank_the_single_process_parameters(published_layout_runs, layout):
+    """transformers cuts each checkpoint tensor to the rank's FSDP shard before the conversions run; those that merge,
+    split or trim tensors (the q | k | v conv, `A_log`, the vision `wqkv`) must still give each rank its shard of
+    the converted parameter."""
+    ranks, single = published_layout_runs
+    logits, parameters = single[f"{layout}_fsdp"]
+    for run in ranks:
+        rank_logits, rank_parameters = run[f"{layout}_fsdp"]
+        assert rank_parameters.keys() == parameters.keys()
+        for name, parameter in rank_parameters.items():
+            torch.testing.assert_close(parameter, parameters[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-6)
+
+
+def test_published_layout_conversion_into_a_strided_shard_is_refused_with_the_fix():
+    """A conversion that needs whole checkpoint tensors can undo the loader's contiguous `Shard` cuts, not the
+    interleaved ones of a `_StridedShard`: it refuses and names the conversion to run first."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from kda_moe.distributed.sharded_loading import whole_checkpoint_tensor
+
+    interleaved = [_StridedShard(0, split_factor=2)]  # what FSDP over a tensor-parallel split can place
+    parameter = SimpleNamespace(device_mesh=SimpleNamespace(ndim=1), placements=interleaved, ndim=2)
+    with pytest.raises(ValueError, match=r"_StridedShard.*save_pretrained\(converted, layout='kda_moe'\)"):
+        whole_checkpoint_tensor(torch.zeros(4, 2), parameter)
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_kda_heads_is_refused():
