@@ -145,3 +145,28 @@ def test_plot_command_line_draws_the_generate_figure(tmp_path, bench):
                           str(tmp_path / "generate.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_profile_writes_the_host_split_and_the_step_table(tmp_path, monkeypatch):
+    """benchmarks/decode_profile.py on CPU (no graph: the table lists CPU operators): the step, the host split and
+    an operator table, in the markdown and the json; the timings are not checked."""
+    from test_kimi_linear_checkpoints import import_kimi_linear_on_torch, tiny_kimi_linear_config
+
+    profile = load_script("decode_profile.py")
+    monkeypatch.setattr(profile.model_bench, "dev", "cpu")
+    monkeypatch.setattr(profile.model_bench, "anchor_config", tiny_kimi_linear_config)
+    monkeypatch.setattr(profile.model_bench, "kimi_linear_class",
+                        lambda: import_kimi_linear_on_torch().KimiLinearForCausalLM)
+    monkeypatch.setattr(profile.generate_bench, "DTYPE", torch.float32)
+    res = profile.main(str(tmp_path), batch=2, prompt=6, new_tokens=8)
+
+    assert json.loads((tmp_path / "decode_profile.json").read_text()) == json.loads(json.dumps(res))
+    assert res["step_ms"] > 0 and all(us > 0 for us in res["host_us"].values())
+    assert res["kernels"]["source"] == "cpu_ops" and res["kernels"]["steps"] == 7
+    assert any(op["name"] == "aten::linear" for op in res["kernels"]["top"])
+    table = (tmp_path / "decode_profile.md").read_text()
+    assert "| prepare_inputs_for_generation |" in table and "| the rest: generate()'s own loop |" in table
+    assert (tmp_path / "trace.json.gz").exists()
+    with pytest.raises(SystemExit, match="new_tokens must be 8 or more"):
+        profile.parse_options(["new_tokens=4"])
+    assert profile.parse_options(["batch=8", "prompt=32768"]) == dict(batch=8, prompt=32768)
