@@ -327,9 +327,9 @@ class KdaMoeAttention(nn.Module):
         # the projections of the input (in one launch for a decoding step's few tokens): the query or its low-rank
         # factor, the compressed key-value latent with the rotary key, the output gate
         query_proj = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        gate_proj = [] if self.g_proj is None else [self.g_proj]
         query, compressed, *gate = linear_projections(
-            hidden_states, query_proj, self.kv_a_proj_with_mqa, *filter(None, [self.g_proj]),
-            backend=self.config.kernel_backend,
+            hidden_states, query_proj, self.kv_a_proj_with_mqa, *gate_proj, backend=self.config.kernel_backend
         )
         if self.q_lora_rank is not None:
             query = self.q_b_proj(self.q_a_layernorm(query))
@@ -752,10 +752,11 @@ class KdaMoeDeltaAttention(nn.Module):
             # decay and write strength become exactly 0 (the most negative logit saturates both gates to 0).
             pad = ~attention_mask.bool()[..., None]
             hidden_states = hidden_states.masked_fill(pad, 0.0)
-        # the six projections of the input, in one launch for a decoding step's few tokens
-        query, key, value, gate_low_rank, beta_logits, output_gate = linear_projections(
-            hidden_states,
-            self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj if self.g_proj is not None else self.g_a_proj,
+        # the six projections of the input, in one launch for a decoding step's few tokens: q, k and v before the
+        # conv, the decay gate's low-rank factor, beta, and the output gate (or its low-rank factor)
+        output_gate_proj = self.g_proj if self.g_proj is not None else self.g_a_proj
+        q_in, k_in, v_in, gate_low_rank, beta_logits, output_gate = linear_projections(
+            hidden_states, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, output_gate_proj,
             backend=self.backend,
         )
         gate_logits = self.f_b_proj(gate_low_rank)
@@ -765,7 +766,7 @@ class KdaMoeDeltaAttention(nn.Module):
             gate_logits = gate_logits.masked_fill(pad, torch.finfo(gate_logits.dtype).min)
             beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
 
-        conv_inputs = torch.cat([query, key, value], dim=-1)
+        conv_inputs = torch.cat([q_in, k_in, v_in], dim=-1)
         # Under tensor parallelism every per-head tensor holds this rank's heads only: widths come from the tensors.
         width = conv_inputs.shape[-1] // 3
         head_shape = (batch_size, seq_len, width // self.head_dim, self.head_dim)

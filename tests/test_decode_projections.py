@@ -128,7 +128,8 @@ def test_model_decodes_through_the_kernel_with_the_torch_backends_tokens(cache, 
     per_forward = sorted([6] * config.layer_types.count("linear_attention")
                          + [3] * config.layer_types.count("full_attention") + [2] * config.num_hidden_layers)
     forwards = [calls[i : i + len(per_forward)] for i in range(0, len(calls), len(per_forward))]
-    assert [rows for rows, _ in calls] == [8] * len(per_forward) + [2] * len(per_forward) * (GREEDY["max_new_tokens"] - 1)
+    steps = GREEDY["max_new_tokens"] - 1
+    assert [rows for rows, _ in calls] == [8] * len(per_forward) + [2] * len(per_forward) * steps
     assert all(sorted(count for _, count in forward) == per_forward for forward in forwards)
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
