@@ -20,6 +20,7 @@ one optimizer step, the second step's loss equals the single-process one.
 
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -97,21 +98,29 @@ def run_two_steps(model, rows):
     return result
 
 
-def worker(rank, tmpdir):
+@contextmanager
+def gloo_rank(rank, tmpdir):
+    """This process as rank `rank` of a gloo group of WORLD_SIZE (torchrun's environment variables set); yields the
+    dict of results that is saved to `tmpdir/rank{rank}.pt` once every rank is done."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
     dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=WORLD_SIZE)
     try:
-        import kda_moe  # noqa: F401  (registers the Auto classes)
-
         results = {}
-        for name, (distributed, splits_batch) in layouts().items():
-            rows = slice(rank * 2, rank * 2 + 2) if splits_batch else slice(None)
-            results[name] = run_two_steps(load(f"{tmpdir}/model", distributed), rows)
+        yield results
         torch.save(results, f"{tmpdir}/rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def worker(rank, tmpdir):
+    with gloo_rank(rank, tmpdir) as results:
+        import kda_moe  # noqa: F401  (registers the Auto classes)
+
+        for name, (distributed, splits_batch) in layouts().items():
+            rows = slice(rank * 2, rank * 2 + 2) if splits_batch else slice(None)
+            results[name] = run_two_steps(load(f"{tmpdir}/model", distributed), rows)
 
 
 @pytest.fixture(scope="module")
@@ -223,21 +232,13 @@ def logits_and_kda_tensors(model):
 def published_layout_worker(rank, tmpdir):
     from transformers.distributed import DistributedConfig
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {}
+    with gloo_rank(rank, tmpdir) as results:
         for layout in PUBLISHED_LAYOUTS:
             model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(tp_size=2))
             results[layout] = logits_and_kda_tensors(model)
             model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(fsdp_size=2))
             parameters = {name: full(parameter) for name, parameter in model.named_parameters()}
             results[f"{layout}_fsdp"] = logits_and_kda_tensors(model)[0], parameters
-        torch.save(results, f"{tmpdir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
