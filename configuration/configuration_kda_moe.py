@@ -205,6 +205,9 @@ class KdaMoeTextConfig(PreTrainedConfig):
     Other:
         attn_res_block_size (`int` or `None`): Block Attention Residuals block size; `None` = plain residuals.
         kernel_backend: `"auto"` (Triton on CUDA tensors, torch elsewhere), `"triton"` or `"torch"`.
+        fused_linear_cross_entropy: a training forward with labels computes the loss a chunk of tokens at a time
+            from the last hidden states and `lm_head`'s weight, and returns `logits=None` (the [tokens, vocab] logits
+            are never built); `False` returns the logits and computes the loss from them.
 
     Example:
 
@@ -329,6 +332,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
 
     attn_res_block_size: int | None = validated_field(at_least(1), default=2)
     kernel_backend: str = validated_field(one_of(KERNEL_BACKENDS), default="auto")
+    fused_linear_cross_entropy: bool = True
 
     def __post_init__(self, **kwargs):
         warn_about_misspelled_keys(self, kwargs)

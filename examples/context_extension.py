@@ -9,8 +9,8 @@ step (one row per forward, the others by gradient accumulation; multiply by the 
 `accelerate launch` / `torchrun`). Every row packs several documents (`DataCollatorWithFlattening`: position ids
 restart at 0 per document, so KDA resets its state and MLA attends within the document; nothing is spent on
 padding). Gradient checkpointing recomputes the layer activations in the backward, and the loss never builds the
-[tokens, vocab] logits: `ChunkedLinearCrossEntropy` runs `lm_head` over slices of the final hidden states
-(`model.model(...)` -> `lm_head.weight`), computing each slice's gradient as it goes. A stage starts from the
+[tokens, vocab] logits: a training forward with labels computes it chunk by chunk from the final hidden states and
+`lm_head.weight` (`config.fused_linear_cross_entropy`, on by default). A stage starts from the
 previous stage's `save_pretrained` folder (router biases included) with `max_position_embeddings` raised to its
 length; the default NoPE MLA needs no RoPE rescaling.
 
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 from finetune import CHECKPOINTING
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -58,100 +57,6 @@ SCALED_DOWN_STAGES = [
     Stage(seq_len=512, batch=1, steps=2, learning_rate=1e-3),
     Stage(seq_len=2_048, batch=1, steps=2, learning_rate=5e-4),
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Cross-entropy over lm_head in chunks: never more than [chunk, vocab] logits at a time
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of `hidden @ weight.T` against `targets`, `chunk_size` rows at a time, in fp32.
-
-    hidden [N, d], weight [V, d], targets [N] (-100 = not scored) -> scalar sum over the scored rows. The forward
-    computes each chunk's gradients (softmax - one-hot) right away and keeps only grad_hidden [N, d] and
-    grad_weight [V, d]; the [N, V] logits never exist, in the forward or the backward.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int):
-        wants_hidden, wants_weight = ctx.needs_input_grad[:2]  # (grad mode is off inside forward)
-        needs_grad = wants_hidden or wants_weight
-        weight32 = weight.float()
-        total = hidden.new_zeros((), dtype=torch.float32)
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if wants_hidden else None
-        grad_weight = torch.zeros_like(weight32) if wants_weight else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            chunk, target = hidden[rows].float(), targets[rows]
-            scored = target != -100
-            if not scored.any():
-                continue
-            logits = chunk @ weight32.T  # [c, V]
-            safe_target = target.clamp_min(0)
-            log_z = torch.logsumexp(logits, dim=-1)
-            total = total + ((log_z - logits.gather(1, safe_target[:, None])[:, 0]) * scored).sum()
-            if needs_grad:
-                grad_logits = torch.softmax(logits, dim=-1)
-                grad_logits[torch.arange(len(target), device=target.device), safe_target] -= 1.0
-                grad_logits *= scored[:, None]
-                if grad_hidden is not None:
-                    grad_hidden[rows] = grad_logits @ weight32
-                if grad_weight is not None:
-                    grad_weight += grad_logits.T @ chunk
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0),
-            grad_weight if grad_weight is not None else torch.empty(0),
-        )
-        ctx.has_grad = (grad_hidden is not None, grad_weight is not None)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        has_hidden, has_weight = ctx.has_grad
-        return (
-            (grad_hidden * grad_output).to(ctx.dtypes[0]) if has_hidden else None,
-            (grad_weight * grad_output).to(ctx.dtypes[1]) if has_weight else None,
-            None,
-            None,
-        )
-
-
-def chunked_causal_lm_loss(
-    hidden_states, lm_head_weight, labels, num_items_in_batch=None, chunk_size: int = 1024, shift_labels=None
-):
-    """The causal LM loss of transformers (`labels` shifted by one inside, or `shift_labels` as given; -100 ignored,
-    mean over scored tokens or divided by `num_items_in_batch`), from hidden states [B, T, d] and `lm_head.weight`
-    [V, d]."""
-    if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-    targets = shift_labels.reshape(-1).to(hidden_states.device)
-    total = ChunkedLinearCrossEntropy.apply(hidden_states.reshape(-1, hidden_states.shape[-1]), lm_head_weight, targets, chunk_size)
-    count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
-    if torch.is_tensor(count):
-        count = count.to(total.device)
-    return total / count
-
-
-class ChunkedLossCausalLM(nn.Module):
-    """What `Trainer` trains: the causal LM's base model + the chunked loss over its `lm_head.weight`.
-
-    A module of its own (rather than a `compute_loss` override) so that DDP / FSDP wrap the whole computation."""
-
-    def __init__(self, lm, chunk_size: int = 1024):
-        super().__init__()
-        self.lm = lm
-        self.chunk_size = chunk_size
-
-    def forward(self, input_ids, labels, position_ids=None, num_items_in_batch=None, shift_labels=None, **kwargs):
-        kwargs.pop("attention_mask", None)  # packed rows carry their boundaries in position_ids
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
-        loss = chunked_causal_lm_loss(
-            hidden, self.lm.lm_head.weight, labels, num_items_in_batch, self.chunk_size, shift_labels=shift_labels
-        )
-        return {"loss": loss}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,7 +117,7 @@ def tiny_model(tokenizer):
     return KdaMoeForCausalLM(config)
 
 
-def train_with_trainer(model, rows, stage: Stage, index: int, output_dir: Path, chunk_size: int, progress: bool):
+def train_with_trainer(model, rows, stage: Stage, index: int, output_dir: Path, progress: bool):
     """One stage with `Trainer` (one process, or data parallel under `accelerate launch`). Returns the step losses."""
     from transformers import Trainer, TrainingArguments
 
@@ -234,12 +139,12 @@ def train_with_trainer(model, rows, stage: Stage, index: int, output_dir: Path, 
         dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory only helps copies to a GPU
         seed=index,
     )
-    trainer = Trainer(model=ChunkedLossCausalLM(model, chunk_size), args=args, train_dataset=rows, data_collator=PackedRowCollator())
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=PackedRowCollator())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def train_context_parallel(model, rows, stage: Stage, chunk_size: int, group):
+def train_context_parallel(model, rows, stage: Stage, group):
     """One stage with every row split across the ranks of `group`. Every rank reads the same rows and computes its
     slice's share of each row's loss (sum / the row's scored tokens); summing the gradients over the ranks gives the
     gradient of the whole rows, so every rank takes the same AdamW step (cosine schedule and clipping as Trainer's).
@@ -250,7 +155,6 @@ def train_context_parallel(model, rows, stage: Stage, chunk_size: int, group):
 
     context_parallel(model, group)
     device = next(model.parameters()).device
-    loss_module = ChunkedLossCausalLM(model, chunk_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=stage.learning_rate, weight_decay=0.0)  # Trainer's default
     schedule = get_cosine_schedule_with_warmup(optimizer, max(1, stage.steps // 20), stage.steps)
     collate, losses = PackedRowCollator(), []
@@ -260,7 +164,7 @@ def train_context_parallel(model, rows, stage: Stage, chunk_size: int, group):
         for row in rows[step * stage.batch : (step + 1) * stage.batch]:
             inputs = {name: value.to(device) for name, value in shard_batch(collate([row]), group).items()}
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                loss = loss_module(**inputs)["loss"] / stage.batch
+                loss = model(**inputs).loss / stage.batch
             loss.backward()
             step_loss += loss.detach()
         for parameter in model.parameters():
@@ -276,20 +180,19 @@ def train_context_parallel(model, rows, stage: Stage, chunk_size: int, group):
     return losses
 
 
-def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, chunk_size: int, progress: bool,
-              group=None):  # fmt: skip
+def run_stage(index: int, stage: Stage, init_from, tokenizer, output_dir: Path, progress: bool, group=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(init_from) if isinstance(init_from, (str, Path)) else init_from
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, stage.seq_len)
-    getattr(model, f"{CHECKPOINTING}_enable")({"use_reentrant": False})  # the wrapper below hides it from Trainer
+    getattr(model, f"{CHECKPOINTING}_enable")({"use_reentrant": False})
     model.train()
     rows = packed_rows(corpus_tokens(tokenizer, 4 * stage.seq_len), stage.seq_len, stage.batch * stage.steps, seed=index)
     if group is None:
-        losses = train_with_trainer(model, rows, stage, index, output_dir, chunk_size, progress)
+        losses = train_with_trainer(model, rows, stage, index, output_dir, progress)
     else:
         model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
-        losses = train_context_parallel(model, rows, stage, chunk_size, group)
+        losses = train_context_parallel(model, rows, stage, group)
     stage_dir = output_dir / f"stage-{index}-{stage.seq_len}"
     main_process = group is None or torch.distributed.get_rank() == 0
     model.save_pretrained(stage_dir, is_main_process=main_process)
@@ -320,7 +223,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--output-dir", default="outputs/context_extension")
     parser.add_argument("--scale-down", "--tiny", dest="scale_down", action="store_true",
                         help="tiny model and SCALED_DOWN_STAGES (a CPU smoke test of the whole pipeline)")
-    parser.add_argument("--chunk-size", type=int, default=None, help="rows of logits per loss chunk (default 1024; 64 scaled down)")
     parser.add_argument("--no-progress-bar", action="store_true")
     args = parser.parse_args(argv)
 
@@ -333,7 +235,6 @@ def main(argv=None) -> list[dict]:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(TOKENIZER_DIR))
     stages = SCALED_DOWN_STAGES if args.scale_down else STAGES
-    chunk_size = args.chunk_size or (64 if args.scale_down else 1024)
     if args.model:
         init_from = args.model
     elif args.scale_down:
@@ -350,7 +251,7 @@ def main(argv=None) -> list[dict]:
     results = []
     for index, stage in enumerate(stages):
         progress = not args.no_progress_bar
-        results.append(run_stage(index, stage, init_from, tokenizer, output_dir, chunk_size, progress, group))
+        results.append(run_stage(index, stage, init_from, tokenizer, output_dir, progress, group))
         init_from = results[-1]["saved_to"]  # the next stage continues from this stage's checkpoint
     if group is None or torch.distributed.get_rank() == 0:
         (output_dir / "stages.json").write_text(json.dumps(results, indent=2))

@@ -26,6 +26,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import CompileConfig, GenerationMixin, GenerationMode
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import batched_mm_experts_forward
+from transformers.loss.loss_utils import LOSS_MAPPING
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -53,6 +54,7 @@ from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.backend import resolve_backend
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
 from ..kernels.linear import decode_projections, fits_projection_kernel
+from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
 from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode, top_k_routing
 from ..kernels.norm import gated_rms_norm
@@ -1735,6 +1737,43 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         return model_output(MoeModelOutputWithPast, last_hidden_state=hidden_states, cache=cache)
 
 
+def causal_lm_head(
+    model: PreTrainedModel, hidden_states: torch.Tensor, labels: torch.Tensor | None, logits_to_keep, loss_kwargs: dict
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logits, loss) of a causal LM's `lm_head` on the last hidden states [B, T, d], the loss when labels are given.
+
+    A training forward with labels (training mode, gradients on, every position kept) whose loss is transformers'
+    causal LM loss on a plain `lm_head` computes the loss with `linear_cross_entropy`, chunk by chunk, and returns no
+    logits: the [B, T, vocab] logits and their fp32 copy are never built. `config.fused_linear_cross_entropy=False`
+    keeps the logits; an adapter, hook or sharding plan on `lm_head` (PEFT, tensor parallelism, offloading) or a
+    custom `loss_function` takes the logits path too."""
+    config = model.config.get_text_config()
+    if (
+        labels is not None
+        and config.fused_linear_cross_entropy
+        and model.training
+        and torch.is_grad_enabled()
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and is_plain_linear(model.lm_head)
+        and model.loss_function is LOSS_MAPPING["ForCausalLM"]
+    ):
+        loss = linear_cross_entropy(
+            hidden_states,
+            model.lm_head.weight,
+            None if loss_kwargs.get("shift_labels") is not None else labels,
+            shift_labels=loss_kwargs.get("shift_labels"),
+            ignore_index=loss_kwargs.get("ignore_index", -100),
+            num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+        )
+        return None, loss
+    logits = model.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+    loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+    return logits, loss
+
+
 class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -1796,10 +1835,7 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits, loss = causal_lm_head(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
         return model_output(
             MoeCausalLMOutputWithPast,
             loss=loss,

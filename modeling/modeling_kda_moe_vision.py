@@ -28,12 +28,13 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.import_utils import is_tracing
 
-from ..compat import accepts_legacy_cache_name, model_output, output_cache, slice_logits_to_keep
+from ..compat import accepts_legacy_cache_name, model_output, output_cache
 from ..configuration import KdaMoeConfig, KdaMoeVisionConfig
 from .modeling_kda_moe import (
     KdaMoePreTrainedModel,
     KdaMoeRMSNorm,
     KdaMoeTextModel,
+    causal_lm_head,
     check_input_ids,
     eager_attention_forward,
     rotate_half,
@@ -569,12 +570,7 @@ class KdaMoeForConditionalGeneration(KdaMoeMultimodalPreTrainedModel, Generation
             image_grid_thw=image_grid_thw,
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
-            )
+        logits, loss = causal_lm_head(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
         return model_output(
             KdaMoeCausalLMOutputWithPast,
             loss=loss,
