@@ -8,11 +8,16 @@
 
 beside the bandwidth floor: the bytes one step must read (active weights, KDA states read and written, the MLA latent
 cache) over the copy bandwidth measured in the same run. Also the peak memory of each generate(), its prefill time
-(to the first token) and how many of our greedy tokens equal transformers'. Long prompts at batch 1
-(``cases=dynamic batches=1 prompts=262144,1048576``) measure the chunked prefill: its time and peak memory.
+(to the first token) and how many of our greedy tokens equal transformers'.
 
-    python benchmarks/generate.py OUTDIR [cases=dynamic,static,theirs] [batches=1,8,32,128] [prompts=2048,32768]
-                                         [new_tokens=64] [prefill_chunk=N]   (kda_moe importable; fla 0.6.0 for theirs)
+``prefill`` (not run unless asked: ``cases=prefill batches=1 prompts=262144,1048576``) measures long prompts: ours
+filling the dynamic cache with the prompt alone through ``prefill_in_chunks``, one run, no generation. It logs every
+chunk as it ends (tokens done, seconds, peak memory so far), so a run stopped by a time limit shows how far it got,
+and reports the prefill's time, tokens/s and peak memory in a table of its own.
+
+    python benchmarks/generate.py OUTDIR [cases=dynamic,static,theirs,prefill] [batches=1,8,32,128]
+                                         [prompts=2048,32768] [new_tokens=64] [prefill_chunk=N]
+                                         (kda_moe importable; fla 0.6.0 for theirs)
 
 The models are benchmarks/model.py's: its anchor config (822M parameters, 6 KDA + 2 MLA layers, 64 experts top-8,
 bf16), saved by transformers and loaded by ours. A step's time is the median interval between consecutive generated
@@ -20,9 +25,10 @@ tokens (a stopping criterion that never stops reads the clock after each token, 
 prefill and generate()'s setup are not in it; each case runs its generate() twice and times the second, so neither
 is compilation or autotuning. Prompts longer than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks
 (generate()'s ``prefill_chunk_size``, see ``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of
-N tokens), on every side alike: unchunked they would not fit at batch 128 x 32K. Writes OUTDIR/generate.md and
+N tokens) on every side: unchunked they would not fit at batch 128 x 32K. The static and transformers' sides take
+shorter chunks, as their MLA layers attend a chunk through a dense mask over the cache. Writes OUTDIR/generate.md and
 OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
-records its error), and prints the table last.
+records its error), and prints the tables last.
 """
 
 import importlib.metadata
@@ -38,6 +44,8 @@ import traceback
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from kda_moe import prefill_in_chunks
+from kda_moe.compat import output_cache
 from kda_moe.modeling.modeling_kda_moe import KdaMoeExperts
 
 
@@ -52,13 +60,18 @@ def load_model_benchmark():
 
 model_bench = load_model_benchmark()
 
-CASES = ("dynamic", "static", "theirs")
+GENERATE_CASES = ("dynamic", "static", "theirs")  # the generate() cases, run by default
+CASES = (*GENERATE_CASES, "prefill")
 BATCHES = (1, 8, 32, 128)
 PROMPTS = (2048, 32768)
 NEW_TOKENS = 64
 DTYPE = torch.bfloat16
 PREFILL_TOKENS = 262144  # most prompt tokens (over the batch) in one prefill forward; longer prompts go in chunks
-MASK_ENTRIES = 2**32  # most entries of a prefill chunk's MLA mask [batch, chunk, prompt] (bool, then bf16 in SDPA)
+MASK_ENTRIES = 2**32  # most entries of a chunk's dense MLA mask [batch, chunk, prompt] (bool, then bf16 in SDPA)
+# The cases whose MLA layers attend a prefill chunk through a dense mask over the cache: the static cache's, and
+# transformers' Kimi Linear. Ours on the dynamic cache attend an unpadded chunk (these random prompts hold no pad
+# token) through a lower-right causal bias, which SDPA takes without a mask tensor.
+DENSE_MASK_CASES = ("static", "theirs")
 GENERATE_OPTIONS = {
     "dynamic": {},
     "static": {"cache_implementation": "static"},
@@ -148,12 +161,16 @@ def agreement(tokens, reference):
     return dict(positions=int(same.sum()), of=same.numel(), shortest_prefix=int(same.int().cumprod(1).sum(1).min()))
 
 
-def prefill_chunk_size(batch, prompt):
-    """generate()'s `prefill_chunk_size` for a prompt [batch, prompt]: None (one forward) up to `PREFILL_TOKENS`
-    tokens, else the longest chunk whose tokens and MLA mask (it attends to up to `prompt` positions) stay in budget."""
+def prefill_chunk_size(batch, prompt, case):
+    """generate()'s `prefill_chunk_size` for a prompt [batch, prompt] in `case`: None (one forward) up to
+    `PREFILL_TOKENS` tokens, else the longest chunk whose tokens stay in that budget, and for `DENSE_MASK_CASES` whose
+    MLA mask (it attends to up to `prompt` positions) stays under `MASK_ENTRIES`."""
     if batch * prompt <= PREFILL_TOKENS:
         return None
-    return max(min(PREFILL_TOKENS // batch, MASK_ENTRIES // (batch * prompt)), 1)
+    chunk = PREFILL_TOKENS // batch
+    if case in DENSE_MASK_CASES:
+        chunk = min(chunk, MASK_ENTRIES // (batch * prompt))
+    return max(chunk, 1)
 
 
 def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
@@ -162,7 +179,7 @@ def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
     autotuning for the row's shapes lands in the figures: (timings and peak memory, the generated tokens
     [B, new_tokens])."""
     batch, prompt = input_ids.shape
-    chunk = prefill_chunk or prefill_chunk_size(batch, prompt)
+    chunk = prefill_chunk or prefill_chunk_size(batch, prompt, case)
     if case == "static":  # `compiled` below tells whether the first generate() compiled (transformers keeps the call)
         model.__dict__.pop("_compiled_call", None)
     for timed_call in (False, True):
@@ -183,6 +200,33 @@ def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
     if case == "static":
         result["compiled"] = getattr(model, "_compiled_call", None) is not None
     return result, out[:, prompt:]
+
+
+def gigabytes(value):
+    return "-" if value is None else f"{value:.1f}"
+
+
+def run_prefill(model, input_ids, prefill_chunk=None):
+    """The ``prefill`` case: ours filling a dynamic cache with the prompt, one ``prefill_in_chunks`` call of
+    ``prefill_chunk`` tokens (default: ``prefill_chunk_size``) at a time, each continuing the cache of the ones before,
+    timed once (the first chunk's time includes the kernels' compilation and autotuning for its shapes). Logs each
+    chunk as it ends: the tokens done, the seconds since the start, the peak memory so far."""
+    batch, prompt = input_ids.shape
+    chunk = prefill_chunk or prefill_chunk_size(batch, prompt, "prefill") or prompt
+    if model_bench.dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cache, chunks, start = None, [], time.perf_counter()
+    for begin in range(0, prompt, chunk):
+        end = min(begin + chunk, prompt)
+        cache = output_cache(prefill_in_chunks(model, input_ids[:, begin:end], cache=cache, chunk_size=chunk))
+        model_bench.sync()
+        chunks.append(dict(tokens=end, seconds=time.perf_counter() - start, peak_GB=model_bench.peak_gb()))
+        model_bench.log(f"prefill {batch} x {prompt}: {end} tokens in {chunks[-1]['seconds']:.1f} s, peak "
+                        f"{gigabytes(chunks[-1]['peak_GB'])} GB")
+    seconds = chunks[-1]["seconds"]
+    return dict(prefill_s=seconds, tok_s=batch * prompt / seconds, peak_GB=model_bench.peak_gb(),
+                prefill_chunk_size=chunk, chunks=chunks)
 
 
 def cell(entry):
@@ -209,17 +253,26 @@ def write_tables(res, out):
     """OUTDIR/generate.md and generate.json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}, fla {res['fla']}; "
           f"{res['params'] / 1e6:.0f}M parameters, {res['dtype']}; {res['new_tokens']} greedy tokens per generate(); "
-          f"copy bandwidth {res['copy_GBps']:.0f} GB/s. A step: the median interval between generated tokens.", "",
-          "| batch x prompt | ours (dynamic cache) | ours (static, compiled) | transformers + fla | bandwidth floor | "
-          "static / theirs | dynamic / theirs | peak GB: dynamic / static / theirs | greedy tokens = theirs: "
-          "dynamic; static |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for row in res["rows"]:
-        peaks = " / ".join(f"{row[c]['peak_GB']:.1f}" if row.get(c, {}).get("peak_GB") is not None else "-"
-                           for c in CASES)
+          f"copy bandwidth {res['copy_GBps']:.0f} GB/s. A step: the median interval between generated tokens."]
+    generated = [row for row in res["rows"] if row.keys() & set(GENERATE_CASES)]
+    if generated:
+        md += ["", "| batch x prompt | ours (dynamic cache) | ours (static, compiled) | transformers + fla | "
+               "bandwidth floor | static / theirs | dynamic / theirs | peak GB: dynamic / static / theirs | greedy "
+               "tokens = theirs: dynamic; static |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in generated:
+        peaks = " / ".join(gigabytes(row.get(c, {}).get("peak_GB")) for c in GENERATE_CASES)
         md.append(f"| {row['batch']} x {row['prompt']} | {cell(row.get('dynamic'))} | {cell(row.get('static'))} | "
                   f"{cell(row.get('theirs'))} | {cell(row['floor'])} | {ratio(row, 'static')} | "
                   f"{ratio(row, 'dynamic')} | {peaks} | {matches(row.get('dynamic'))}; {matches(row.get('static'))} |")
+    prefills = [(row, row["prefill"]) for row in res["rows"] if "prefill" in row]
+    if prefills:
+        md += ["", "Prefill alone (ours, dynamic cache, `prefill_in_chunks`, timed once):", "",
+               "| batch x prompt | chunk | seconds | prompt tokens/s | peak GB |", "|---|---|---|---|---|"]
+    for row, entry in prefills:
+        shape = f"{row['batch']} x {row['prompt']}"
+        md.append(f"| {shape} | {cell(entry)} | | | |" if "error" in entry else
+                  f"| {shape} | {entry['prefill_chunk_size']} | {entry['prefill_s']:.1f} | {entry['tok_s']:,.0f} | "
+                  f"{gigabytes(entry['peak_GB'])} |")
     text = "\n".join(md)
     with open(os.path.join(out, "generate.md"), "w") as f:
         f.write(text + "\n")
@@ -228,7 +281,7 @@ def write_tables(res, out):
     return text
 
 
-def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKENS, prefill_chunk=None):
+def main(out, cases=GENERATE_CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKENS, prefill_chunk=None):
     import transformers
 
     os.makedirs(out, exist_ok=True)
@@ -237,13 +290,14 @@ def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKE
     with tempfile.TemporaryDirectory() as folder:
         theirs, ours = model_bench.build_models(config, folder)
     ours, theirs = ours.to(DTYPE), theirs.to(DTYPE)
-    models = {"dynamic": ours, "static": ours, "theirs": theirs}
+    models = {"dynamic": ours, "static": ours, "theirs": theirs, "prefill": ours}
     res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
                transformers=transformers.__version__, fla=fla_version(),
                params=sum(p.numel() for p in ours.parameters()), dtype=str(DTYPE).removeprefix("torch."),
                new_tokens=new_tokens, copy_GBps=copy_bandwidth(), rows=[])
     model_bench.log(f"copy bandwidth {res['copy_GBps']:.0f} GB/s")
-    order = [case for case in ("theirs", "dynamic", "static") if case in cases]  # theirs first: ours compare to it
+    # theirs first: ours compare to it
+    order = [case for case in ("theirs", "dynamic", "static", "prefill") if case in cases]
     # Every row is a new shape (batch, cache length) for the compiled decode step of the static case: allow more
     # recompilations than torch's default 8, after which it would run eagerly.
     with torch._dynamo.config.patch(recompile_limit=64):
@@ -257,8 +311,11 @@ def main(out, cases=CASES, batches=BATCHES, prompts=PROMPTS, new_tokens=NEW_TOKE
             for case in order:
                 model_bench.log(f"{case} {batch} x {prompt}: start")
                 try:
-                    row[case], tokens[case] = run_case(models[case], case, input_ids, new_tokens, prefill_chunk)
-                    if case != "theirs" and "theirs" in tokens:
+                    if case == "prefill":
+                        row[case] = run_prefill(models[case], input_ids, prefill_chunk)
+                    else:
+                        row[case], tokens[case] = run_case(models[case], case, input_ids, new_tokens, prefill_chunk)
+                    if case in ("dynamic", "static") and "theirs" in tokens:
                         row[case]["same_as_theirs"] = agreement(tokens[case], tokens["theirs"])
                     if case == "static" and "dynamic" in tokens:
                         row[case]["same_as_dynamic"] = agreement(tokens[case], tokens["dynamic"])

@@ -3,7 +3,9 @@
 Each chunk continues the cache the previous chunks filled (KDA conv and recurrent states carried over, MLA latents
 appended), so the result is the cache and the logits of one forward over the whole prompt, while the activations of
 a forward never span more than `chunk_size` tokens: KDA layers need the same memory whatever the prompt length, MLA
-layers memory linear in it (their latent cache, and the chunk's attention over it).
+layers memory linear in it (their latent cache, and the chunk's attention over it). Under SDPA, MLA layers attend an
+unpadded chunk over the cache through a lower-right causal bias, which SDPA's fused CUDA kernels apply without a mask
+tensor; a batch with padding builds the boolean mask [batch, 1, chunk, cache] instead.
 
 `generate()` does the same through transformers' own option, `model.generate(..., prefill_chunk_size=N)` (or
 `generation_config.prefill_chunk_size`): its chunks keep the logits of their last position only.

@@ -19,6 +19,7 @@ from functools import wraps
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.utils import parametrize
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer, StaticCache
@@ -237,6 +238,20 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class LowerRightCausalBias(CausalBias):
+    """The causal mask of `query_length` new tokens that are the last of `key_length` keys (query t sees the keys up to
+    `key_length - query_length + t`), as PyTorch's `causal_lower_right` bias: SDPA takes it without a mask tensor, on
+    CUDA as the bottom-right causal mode of its flash or memory-efficient kernel (elsewhere it builds the [T, S] mask
+    itself). Made on an empty tensor: `CausalBias`'s own constructor passes its arguments to the legacy
+    `torch.Tensor(*sizes)` and allocates an unused [2, T, S] fp32 CPU tensor (32 GiB at T = 4096, S = 1M)."""
+
+    def __new__(cls, query_length: int, key_length: int):
+        return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+    def __init__(self, query_length: int, key_length: int):
+        super().__init__(CausalVariant.LOWER_RIGHT, query_length, key_length)
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -264,10 +279,12 @@ MLA_LATENT_NORM_EPS = 1e-6
 class KdaMoeAttention(nn.Module):
     """Gated MLA. The cache holds only the compressed latent (`kv_lora_rank` + `qk_rope_head_dim` per token).
 
-    Prefill expands the latent into per-head keys and values. Decoding (a cache that already holds tokens) uses
+    Prefill expands the latent into per-head keys and values. Decoding and prefill chunks that continue a cache use
     the absorbed form: `W_UK` is folded into the query and `W_UV` into the output, so attention runs as one-head
-    MQA straight over the latent cache and a step never materialises per-head keys. On the Triton backend a decoding
-    step's attention is one kernel (`mla_decode_attention`) that reads each cache tile once for a block of heads.
+    MQA straight over the latent cache and a step never materialises per-head keys. Under SDPA, unpadded chunks of
+    several tokens over a dynamic cache get a `LowerRightCausalBias` for a mask, never a [T, S] tensor. On the Triton
+    backend a decoding step's attention is one kernel (`mla_decode_attention`) that reads each cache tile once for a
+    block of heads.
     With `mla_use_output_gate`, the per-head output is multiplied by `sigmoid(g_proj(x))` before `o_proj`.
     """
 
@@ -307,7 +324,8 @@ class KdaMoeAttention(nn.Module):
         once for a block of heads): when the kernel backend resolves to Triton for the cache, for up to
         `MLA_DECODE_MAX_TOKENS` new tokens, without autograd, attention dropout or attention weights to return.
         Several new tokens also need a mask: transformers passes them none only on a static cache's first forward,
-        meaning SDPA's causal alignment with the cache's start, whereas the kernel aligns them with the cache's end."""
+        meaning SDPA's causal alignment with the cache's start, whereas the kernel aligns them with the cache's end
+        (what a `LowerRightCausalBias` asks for)."""
         if seq_len > MLA_DECODE_MAX_TOKENS or (attention_mask is None and seq_len > 1) or torch.is_grad_enabled():
             return False
         dropout = self.training and self.attention_dropout > 0
@@ -364,8 +382,9 @@ class KdaMoeAttention(nn.Module):
             q_nope = torch.matmul(q_nope, w_uk)  # [B, H, T, kv_lora]: the query against the latent
 
         if absorbed and self.decodes_with_kernel(seq_len, latent, attention_mask, kwargs):
+            kernel_mask = None if isinstance(attention_mask, LowerRightCausalBias) else attention_mask
             attn_output = mla_decode_attention(
-                q_nope, q_rope, latent, k_rope, attention_mask, scale=self.scaling, backend="triton"
+                q_nope, q_rope, latent, k_rope, kernel_mask, scale=self.scaling, backend="triton"
             )  # [B, T, H, kv_lora]
             attn_weights = None
         else:
@@ -1622,6 +1641,24 @@ def static_cache_causal_mask(
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
+def lower_right_causal_bias(
+    config: KdaMoeTextConfig, attention_mask: torch.Tensor | None, cache: Cache | None, new_tokens: int
+) -> LowerRightCausalBias | None:
+    """MLA layers' mask under SDPA where no tensor is needed: `new_tokens` > 1 continue a dynamic cache that already
+    holds tokens (a prefill chunk) and nothing is padded. `create_causal_mask` would build a dense [B, 1, T, S] mask
+    there (4 GiB for 4096 new tokens over 1M), as SDPA's own `is_causal` aligns the tokens with the cache's start.
+    None in every other case. The padding check reads the mask on the host, as transformers'
+    `_ignore_causal_mask_sdpa` does for a first forward, so it is skipped while a graph is traced."""
+    if config._attn_implementation != "sdpa" or new_tokens < 2 or not isinstance(cache, DynamicCache):
+        return None
+    if is_tracing(attention_mask):  # reading the mask would break the graph
+        return None
+    if attention_mask is not None and (attention_mask.ndim != 2 or not attention_mask.all()):  # padded, or 4-D
+        return None
+    cached = cache.get_seq_length(config.layer_types.index("full_attention"))
+    return LowerRightCausalBias(new_tokens, cached + new_tokens) if cached > 0 else None
+
+
 def layer_type_masks(
     config: KdaMoeTextConfig,
     inputs_embeds: torch.Tensor,
@@ -1631,7 +1668,7 @@ def layer_type_masks(
 ) -> dict[str, torch.Tensor | None]:
     """The mask each layer type reads, from a 2-D padding mask (or None): KDA layers the padding of the new tokens
     (None for a one-token step), MLA layers transformers' causal mask over the cache (built directly for a static
-    cache under SDPA or eager attention)."""
+    cache under SDPA or eager attention; a `LowerRightCausalBias` for an unpadded prefill chunk under SDPA)."""
     masks = {"linear_attention": create_recurrent_attention_mask(config, inputs_embeds, attention_mask, cache)}
     if "full_attention" not in config.layer_types:
         return masks
@@ -1640,6 +1677,8 @@ def layer_type_masks(
         masks["full_attention"] = static_cache_causal_mask(
             attention_mask, cache, inputs_embeds.shape[1], inputs_embeds.dtype, additive=implementation == "eager"
         )
+    elif (bias := lower_right_causal_bias(config, attention_mask, cache, inputs_embeds.shape[1])) is not None:
+        masks["full_attention"] = bias
     else:
         masks["full_attention"] = create_causal_mask(
             config, inputs_embeds, attention_mask, cache, position_ids=position_ids

@@ -1,17 +1,22 @@
 """Chunked prefill (CPU, fp32): generate()'s `prefill_chunk_size` and `prefill_in_chunks` / `score_in_chunks` give
 what one forward over the whole prompt gives, fill the same cache, and need activation memory that does not grow with
-the prompt in KDA layers. A hybrid model (KDA and MLA layers) and a pure-KDA one."""
+the prompt in KDA layers; MLA layers attend an unpadded chunk over the cache through PyTorch's lower-right causal bias,
+never a [chunk, cache] mask tensor. A hybrid model (KDA and MLA layers) and a pure-KDA one."""
 
 import weakref
+from contextlib import contextmanager
 
 import pytest
 import torch
 from conftest import tiny_model
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from transformers.masking_utils import create_causal_mask
 
-from kda_moe import KdaMoeCache, prefill_in_chunks, score_in_chunks
+from kda_moe import KdaMoeCache, KdaMoeStaticCache, prefill_in_chunks, score_in_chunks
 from kda_moe.compat import CACHE_NAME, output_cache
+from kda_moe.modeling.modeling_kda_moe import KdaMoeAttention, layer_type_masks
 
 LAYOUTS = {
     "hybrid": {},  # KDA, KDA, KDA, MLA, MLA
@@ -42,13 +47,18 @@ def prompts(batch_size=2, length=23, padding=5, seed=0):
 
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+PADDINGS = pytest.mark.parametrize("padding", [0, 5], ids=["unpadded", "left_padded"])
 
 
+@PADDINGS
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 @pytest.mark.parametrize("chunk_size", [4, 7])
-def test_generate_with_prefill_chunks_gives_the_unchunked_greedy_tokens(model, chunk_size, cache_implementation):
-    """Left padding that spans the first chunk of 4 and part of the next; the default cache and the static one."""
-    input_ids, attention_mask = prompts()
+def test_generate_with_prefill_chunks_gives_the_unchunked_greedy_tokens(
+    model, chunk_size, cache_implementation, padding
+):
+    """An unpadded batch, and left padding that spans the first chunk of 4 and part of the next; the default cache
+    and the static one."""
+    input_ids, attention_mask = prompts(padding=padding)
     with torch.no_grad():
         unchunked = model.generate(input_ids, attention_mask=attention_mask, **GREEDY)
         chunked = model.generate(
@@ -85,13 +95,14 @@ def cache_tensors(cache):
     ]
 
 
+@PADDINGS
 @pytest.mark.parametrize("chunk_size", [4, 8, 23])
-def test_cache_after_chunked_prefill_matches_one_forward(model, chunk_size):
+def test_cache_after_chunked_prefill_matches_one_forward(model, chunk_size, padding):
     """KDA conv and recurrent states and MLA latents after `prefill_in_chunks` are those of one forward over the
     prompt, within fp32 rounding (the KDA recurrence adds in another order when its state crosses a chunk boundary,
     and MLA attends over cached latents in the absorbed form: the layers after them see inputs that differ in the
     last bits), and the last position's logits agree."""
-    input_ids, attention_mask = prompts()
+    input_ids, attention_mask = prompts(padding=padding)
     with torch.no_grad():
         whole = model(input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
     chunked = prefill_in_chunks(model, input_ids, attention_mask, chunk_size=chunk_size)
@@ -99,10 +110,106 @@ def test_cache_after_chunked_prefill_matches_one_forward(model, chunk_size):
     assert isinstance(chunked_cache, KdaMoeCache) and chunked_cache.get_seq_length() == input_ids.shape[1]
     for (a, b), (c, d) in zip(cache_tensors(chunked_cache), cache_tensors(whole_cache), strict=True):
         assert a.shape == c.shape and b.shape == d.shape
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(b, d, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, d, rtol=1e-5, atol=1e-5)
     assert chunked.logits.shape == (2, 1, model.config.vocab_size)
-    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+
+
+def mask_kind(mask):
+    """("lower_right", T, S) for PyTorch's lower-right causal bias, ("dense", shape) for a mask tensor, or None."""
+    if isinstance(mask, CausalBias):
+        assert mask.variant == CausalVariant.LOWER_RIGHT and mask.untyped_storage().nbytes() == 0
+        return ("lower_right", mask.seq_len_q, mask.seq_len_kv)
+    return None if mask is None else ("dense", tuple(mask.shape))
+
+
+@contextmanager
+def mla_masks(model):
+    """The `mask_kind` of every mask the model's MLA layers are called with, in call order."""
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append(mask_kind(kwargs["attention_mask"]))
+
+    attention = [module for module in model.modules() if isinstance(module, KdaMoeAttention)]
+    hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in attention]
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@PADDINGS
+def test_mla_layers_attend_prefill_chunks_over_the_cache_through_a_lower_right_causal_bias_unless_padded(padding):
+    """A 23-token prompt in chunks of 7 (7, 7, 7, 2), through `prefill_in_chunks` and generate() with 2 tokens decoded
+    after the prefill: both MLA layers attend the first chunk without a mask (SDPA's `is_causal`), and every later
+    chunk, when no token is padded, through PyTorch's lower-right causal bias over the cache, which holds no
+    [chunk, cache] tensor; a left-padded batch keeps transformers' dense masks [B, 1, chunk, cache], and decoding
+    steps keep theirs (none without padding)."""
+    model = tiny_model(seed=0)
+    input_ids, attention_mask = prompts(padding=padding)
+    with mla_masks(model) as prefilled:
+        prefill_in_chunks(model, input_ids, attention_mask, chunk_size=7)
+    with mla_masks(model) as generated, torch.no_grad():
+        model.generate(input_ids, attention_mask=attention_mask, prefill_chunk_size=7, max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
+    if padding:
+        chunks = [("dense", (2, 1, tokens, cached + tokens)) for cached, tokens in [(0, 7), (7, 7), (14, 7), (21, 2)]]
+        steps = [("dense", (2, 1, 1, 24)), ("dense", (2, 1, 1, 25))]
+    else:
+        chunks = [None, ("lower_right", 7, 14), ("lower_right", 7, 21), ("lower_right", 2, 23)]
+        steps = [None, None]
+    assert prefilled == [kind for kind in chunks for _mla_layer in range(2)]
+    assert generated == [kind for kind in chunks + steps for _mla_layer in range(2)]
+
+
+def cache_holding(model, input_ids, static):
+    """A cache after a forward over `input_ids`: the dynamic one, or a static one with room for 20 tokens."""
+    cache = KdaMoeStaticCache(model.config, max_cache_len=20) if static else KdaMoeCache(model.config)
+    with torch.no_grad():
+        return output_cache(model(input_ids, **{CACHE_NAME: cache}, use_cache=True))
+
+
+MASK_CASES = {  # name: (attention implementation, cached tokens, new tokens, left padding, static cache)
+    "no_mask": ("sdpa", 9, 5, None, False),
+    "all_ones": ("sdpa", 9, 5, 0, False),
+    "left_padded": ("sdpa", 9, 5, 3, False),
+    "eager": ("eager", 9, 5, 0, False),
+    "first_forward": ("sdpa", 0, 5, 0, False),
+    "decoding_step": ("sdpa", 9, 1, 0, False),
+    "static_cache": ("sdpa", 9, 5, 0, True),
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_mla_layers_get_a_lower_right_causal_bias_exactly_for_unpadded_chunks_over_a_dynamic_cache(case):
+    """`layer_type_masks` gives MLA layers a lower-right causal bias (no tensor of the mask's size) where several new
+    tokens continue a dynamic cache that holds tokens, under SDPA, with no padding: the causal mask transformers would
+    build there, row by row. Padding, eager attention, a first forward, a decoding step and a static cache keep the
+    mask transformers' `create_causal_mask` gives."""
+    implementation, cached, new, padding, static = MASK_CASES[case]
+    model = tiny_model(seed=0)
+    model.set_attn_implementation(implementation)
+    input_ids = prompts(padding=0)[0][:, : cached + new]
+    attention_mask = None if padding is None else torch.ones_like(input_ids)
+    if padding:
+        attention_mask[0, :padding] = 0
+    cache = cache_holding(model, input_ids[:, :cached], static) if cached else None
+    embeds = model.get_input_embeddings()(input_ids[:, cached:])
+    position_ids = torch.arange(cached, cached + new)[None]
+    mask = layer_type_masks(model.config, embeds, attention_mask, cache, position_ids)["full_attention"]
+    expected = create_causal_mask(model.config, embeds, attention_mask, cache, position_ids=position_ids)
+    if case in ("no_mask", "all_ones"):
+        assert mask_kind(mask) == ("lower_right", new, cached + new)
+        dense = create_causal_mask(model.config, embeds, attention_mask, cache, position_ids=position_ids,
+                                   allow_is_causal_skip=False)  # [B, 1, T, S]
+        assert torch.equal(mask._materialize().expand_as(dense), dense)
+    elif expected is None:
+        assert mask is None
+    else:
+        assert not isinstance(mask, CausalBias) and torch.equal(mask, expected)
 
 
 def test_generate_continues_from_a_chunked_prefill(model):

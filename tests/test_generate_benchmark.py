@@ -82,11 +82,63 @@ def test_bandwidth_floor_counts_the_active_weights_states_and_latent_cache(bench
     assert one["mla_cache"] == ours.config.layer_types.count("full_attention") * 10 * latent * 4  # fp32 here
 
 
-def test_prompts_past_the_prefill_budget_go_in_chunks_that_bound_the_mla_mask(bench):
-    assert bench.prefill_chunk_size(1, 32768) is None and bench.prefill_chunk_size(128, 2048) is None
-    assert bench.prefill_chunk_size(32, 32768) == 4096  # 8192 tokens a row would fit, but not their mask
-    assert bench.prefill_chunk_size(128, 32768) == 1024
-    assert bench.prefill_chunk_size(1, 1048576) == 4096
+@pytest.mark.parametrize("case", ["dynamic", "prefill"])
+def test_prompts_past_the_prefill_budget_go_in_chunks_of_the_token_budget_where_no_dense_mask_is_built(bench, case):
+    """Ours on the dynamic cache attend a chunk without a mask tensor: only the token budget bounds the chunk, so a
+    1M-token prompt goes in 4 forwards."""
+    assert bench.prefill_chunk_size(1, 32768, case) is None and bench.prefill_chunk_size(128, 2048, case) is None
+    assert bench.prefill_chunk_size(32, 32768, case) == 8192
+    assert bench.prefill_chunk_size(128, 32768, case) == 2048
+    assert bench.prefill_chunk_size(1, 1048576, case) == 262144
+
+
+@pytest.mark.parametrize("case", ["static", "theirs"])
+def test_prompts_past_the_prefill_budget_go_in_chunks_that_bound_a_dense_mla_mask(bench, case):
+    assert bench.prefill_chunk_size(1, 32768, case) is None and bench.prefill_chunk_size(128, 2048, case) is None
+    assert bench.prefill_chunk_size(32, 32768, case) == 4096  # 8192 tokens a row would fit, but not their mask
+    assert bench.prefill_chunk_size(128, 32768, case) == 1024
+    assert bench.prefill_chunk_size(1, 1048576, case) == 4096
+
+
+def test_prefill_case_logs_each_chunk_as_it_ends_and_reports_time_and_peak_memory(tmp_path, bench, monkeypatch,
+                                                                                   capsys):
+    """`cases=prefill`: with a budget of 4 prompt tokens a forward, a 1 x 6 prompt goes in chunks of 4 (4, then 6
+    tokens done) and a 2 x 6 one in chunks of 2; a line per chunk is printed as it ends, and the prefill's own table
+    gives each row's chunk, seconds and tokens/s (peak memory is the GPU's: "-" here). Each chunk continues the
+    cache of the ones before: the last chunk's logits are those of one forward over the whole prompt."""
+    monkeypatch.setattr(bench, "PREFILL_TOKENS", 4)
+    calls = []
+
+    def recorded_prefill(model, input_ids, **kwargs):
+        output = prefill_in_chunks(model, input_ids, **kwargs)
+        calls.append((model, input_ids, output))
+        return output
+
+    prefill_in_chunks = bench.prefill_in_chunks
+    monkeypatch.setattr(bench, "prefill_in_chunks", recorded_prefill)
+    res = bench.main(str(tmp_path), **bench.parse_options(["cases=prefill", "batches=1,2", "prompts=6"]))
+
+    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    assert [row["prefill"]["prefill_chunk_size"] for row in rows] == [4, 2]
+    assert [[chunk["tokens"] for chunk in row["prefill"]["chunks"]] for row in rows] == [[4, 6], [2, 4, 6]]
+    for row in rows:
+        entry = row["prefill"]
+        assert 0 < entry["chunks"][0]["seconds"] <= entry["chunks"][-1]["seconds"] == entry["prefill_s"]
+        assert entry["tok_s"] == pytest.approx(row["batch"] * 6 / entry["prefill_s"])
+        assert entry["peak_GB"] is None and set(row) == {"batch", "prompt", "floor", "prefill"}
+    printed = capsys.readouterr().out
+    for line in ("prefill 1 x 6: 4 tokens in", "prefill 1 x 6: 6 tokens in", "prefill 2 x 6: 2 tokens in"):
+        assert line in printed
+    assert printed.index("prefill 1 x 6: 4 tokens") < printed.index("prefill 1 x 6: 6 tokens")
+    assert " s, peak - GB" in printed
+    table = (tmp_path / "generate.md").read_text()
+    assert "| 1 x 6 | 4 |" in table and "| 2 x 6 | 2 |" in table and "ours (dynamic cache)" not in table
+    assert res["rows"] == rows
+
+    model = calls[-1][0]
+    with torch.no_grad():
+        whole = model(torch.cat([input_ids for _, input_ids, _ in calls[-3:]], dim=1), logits_to_keep=1).logits
+    torch.testing.assert_close(calls[-1][2].logits, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_benchmark_cut_short_keeps_the_cases_it_measured(tmp_path, bench, monkeypatch):
