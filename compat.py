@@ -4,6 +4,7 @@ Every version switch of the package lives here, one small function or constant e
 (huggingface_hub 1.x) up to the latest 5.x.
 """
 
+import importlib
 from dataclasses import fields as _dataclass_fields
 from functools import wraps
 
@@ -97,6 +98,13 @@ except ImportError:
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
         "layers.*.mlp.experts": "moe_tp_experts",
     }
+
+
+# transformers 5.18+ lays out FSDP and tensor parallelism together from one `DistributedConfig` (a (fsdp, tp) mesh built
+# by `initialize_distributed_mesh`); 5.17 applies the tensor-parallel plan alone when both sizes are set.
+FSDP_WITH_TENSOR_PARALLEL = hasattr(
+    importlib.import_module("transformers.distributed.utils"), "initialize_distributed_mesh"
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------

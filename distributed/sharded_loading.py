@@ -10,12 +10,15 @@ splits or trims along the sharded dim: the published `{q,k,v}_conv1d` weights co
 `on_whole_tensors` wraps such a conversion: it gathers the whole checkpoint tensors from the rows every rank read,
 converts them as one process does, and keeps this rank's shard of each result. The tensors are small (a K3 KDA layer's
 conv and `A_log`: about 150k values; a MoonViT block's `wqkv`: 4M) and are gathered once, at load.
+
+`check_shards_load` refuses, before any weight is read, a layout whose shards transformers' loader cannot read.
 """
 
 import functools
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 
@@ -99,3 +102,46 @@ def on_whole_tensors(convert):
         return shards
 
     return convert_whole
+
+
+def dim_sharded_twice(parameter: DTensor) -> int | None:
+    """The dim of `parameter` that two mesh dims split (FSDP over a tensor-parallel split, its FSDP placement a
+    `_StridedShard`), or None."""
+    dims = [placement.dim % parameter.ndim for placement in parameter.placements if hasattr(placement, "dim")]
+    return next((dim for dim in dims if dims.count(dim) > 1), None)
+
+
+def check_shards_load(model) -> None:
+    """Refuse a layout that leaves a rank no row of a parameter that FSDP shards over a tensor-parallel split.
+
+    transformers' loader reads such a shard as a list of row ranges and fails on an empty list (an IndexError in
+    `DtensorShardOperation`), although FSDP itself trains with empty shards. It happens where a tensor-parallel rank
+    holds fewer rows than there are FSDP ranks, e.g. `b_proj` (one row a KDA head) with linear_num_heads < tp_size *
+    fsdp_size. Every rank takes part (one all-gather over the default group) and raises the same error.
+    """
+    twice_sharded = [
+        (name, parameter)
+        for name, parameter in model.named_parameters()
+        if isinstance(parameter, DTensor) and dim_sharded_twice(parameter) is not None
+    ]
+    if not twice_sharded:
+        return
+    empty_here = [name for name, parameter in twice_sharded if parameter.to_local().numel() == 0]
+    empty_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(empty_per_rank, empty_here)
+    ranks = [rank for rank, names in enumerate(empty_per_rank) if names]
+    if not ranks:
+        return
+    names = sorted({name for names in empty_per_rank for name in names})
+    parameter = model.get_parameter(names[0])
+    mesh = parameter.device_mesh
+    dim = dim_sharded_twice(parameter)
+    others = f" and {len(names) - 1} more parameters" if len(names) > 1 else ""
+    raise ValueError(
+        f"This layout leaves ranks {ranks} without any row of `{names[0]}`{others}: its {parameter.shape[dim]} rows "
+        f"(dim {dim}) are split over the mesh {dict(zip(mesh.mesh_dim_names or range(mesh.ndim), mesh.shape))} as "
+        f"{list(parameter.placements)}, and transformers {transformers.__version__} cannot load an empty shard of a "
+        "tensor-parallel parameter that FSDP also shards. Choose a tp_size and fsdp_size whose product divides "
+        f"{parameter.shape[dim]}, and add data-parallel ranks with dp_replicate_size (HSDP) rather than a larger "
+        "fsdp_size."
+    )

@@ -17,13 +17,19 @@ values), and as for `o_norm` (replicated, seeing one rank's heads) the gradients
 ranks, so the ranks keep identical copies through training.
 
 Importing this module registers the style (transformers looks a plan's styles up by name).
+
+FSDP x TP (`DistributedConfig(fsdp_size=..., tp_size=...)`) needs transformers 5.18+; 5.17 would lay out the
+tensor-parallel plan alone from such a config, and `check_fsdp_with_tensor_parallel` refuses it there.
 """
 
 from contextlib import contextmanager
 
 import torch
+import transformers
 from torch import nn
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+
+from ..compat import FSDP_WITH_TENSOR_PARALLEL
 
 # A KDA layer's per-head tensors -> the blocks of heads each holds (the conv: q | k | v, each split by head).
 PER_HEAD_TENSORS = {"A_log": 1, "dt_bias": 1, "conv1d.weight": 3}
@@ -110,3 +116,19 @@ def data_parallel_group_of_mesh(model: nn.Module):
     if not names:
         return None
     return mesh[names[0]].get_group() if len(names) == 1 else mesh[tuple(names)]._flatten().get_group()
+
+
+def check_fsdp_with_tensor_parallel(distributed_config) -> None:
+    """Refuse FSDP and tensor parallelism together where transformers lays out only one of them from a
+    `DistributedConfig` (5.17: the tensor-parallel plan alone, over the first tp_size ranks)."""
+    if distributed_config is None or FSDP_WITH_TENSOR_PARALLEL:
+        return
+    tp_size, fsdp_size = distributed_config.tp_size or 1, distributed_config.fsdp_size or 1
+    if tp_size > 1 and fsdp_size > 1:
+        raise ValueError(
+            f"transformers {transformers.__version__} lays out tensor parallelism or FSDP from a DistributedConfig, "
+            f"not both (tp_size={tp_size}, fsdp_size={fsdp_size}). Install transformers >= 5.18, or lay the model out "
+            "yourself: `mesh = init_device_mesh(device, (fsdp_size, tp_size), mesh_dim_names=('fsdp', 'tp'))`, "
+            "`from_pretrained(..., tp_plan='auto', device_mesh=mesh)`, `fully_shard` every decoder layer and then the "
+            "model over `mesh['fsdp']`, and `model.set_balancing_group(mesh['fsdp'].get_group())`."
+        )

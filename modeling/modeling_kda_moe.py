@@ -50,7 +50,8 @@ from ..compat import (
     store_linear_attention_states,
 )
 from ..configuration import KdaMoeTextConfig
-from ..distributed.tensor_parallel import data_parallel_group_of_mesh
+from ..distributed.sharded_loading import check_shards_load
+from ..distributed.tensor_parallel import check_fsdp_with_tensor_parallel, data_parallel_group_of_mesh
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.backend import resolve_backend
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
@@ -1489,9 +1490,11 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         """transformers' tensor / expert / FSDP layout of `from_pretrained(..., distributed_config=...)` (or
         `tp_plan=`), after which expert balancing pools its statistics over the mesh's data-parallel ranks only: the
         ranks of one tensor-parallel group route the same tokens, and pooling over them would count each token once
-        per rank."""
+        per rank. Layouts this transformers cannot load are refused first, with the sizes that work."""
+        check_fsdp_with_tensor_parallel(distributed_config)
         model = super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
         if getattr(model, "_device_mesh", None) is not None:
+            check_shards_load(model)
             model.set_balancing_group(data_parallel_group_of_mesh(model))
         return model
 

@@ -1,4 +1,5 @@
-"""Parallel layouts on 2 CPU processes (gloo, `torch.multiprocessing` spawn) against one process on the same batch.
+"""Parallel layouts on 2 and 4 CPU processes (gloo, `torch.multiprocessing` spawn) against one process on the same
+batch.
 
 - FSDP2: `torch.distributed.fsdp.fully_shard` on every decoder layer and the root, with activation checkpointing,
   each rank holding half of the batch.
@@ -8,20 +9,29 @@
   transformers 5.19 (`DistributedConfig(ep_size=2, tp_plan={})`), by masked routes and an all-reduce before
   (`DistributedConfig(tp_size=2, enable_expert_parallel=True)`).
 - FSDP x EP (5.19+): `DistributedConfig(fsdp_size=2, ep_size=2)`, each rank holding half of the batch.
+- FSDP x TP over 4 ranks, a (fsdp 2, tp 2) mesh whose two tensor-parallel pairs each hold half of the batch:
+  `DistributedConfig(fsdp_size=2, tp_size=2)` from transformers 5.18. 5.17 would lay out the tensor-parallel plan
+  alone from such a config, and the package refuses it there; the layout is built as that refusal tells users to:
+  `from_pretrained(..., tp_plan="auto", device_mesh=mesh)` splits over the mesh's "tp" axis, `fully_shard` shards
+  over its "fsdp" axis.
 - TP and FSDP (`DistributedConfig(fsdp_size=2)`) from the published Kimi Linear and Kimi K3 layouts (K3's routed
   experts mxfp4), whose KDA conv and `A_log` and vision `wqkv` are stored unlike ours: each rank ends with its part of
-  the single-process parameters and gives the single-process logits.
+  the single-process parameters and gives the single-process logits; FSDP x TP from the Kimi Linear layout likewise.
 
-Every layout gives the single-process loss and gradients after one forward / backward. Quantile Balancing biases are
-identical on every rank; where the ranks hold the same tokens (TP, EP) they pool nothing and equal the single-process
-biases, where they hold different ones (FSDP) the pooled-histogram estimate equals them within its bin error. After
-one optimizer step, the second step's loss equals the single-process one.
+Every layout gives the single-process loss and gradients after one forward / backward. Quantile Balancing pools its
+statistics over the ranks that hold other parts of the batch, never over ranks that hold the same tokens, and its
+biases are identical on every rank; where every rank holds the same tokens (TP, EP) they pool nothing and equal the
+single-process biases, where the batch is split (FSDP) the pooled-histogram estimate equals them within its bin error.
+After one optimizer step, the second step's loss equals the single-process one.
 """
 
 import importlib.util
 import os
+import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import pytest
@@ -31,8 +41,11 @@ import torch.multiprocessing as mp
 from conftest import tiny_config
 from multimodal_testing import tiny_multimodal_model
 
-WORLD_SIZE = 2
+from kda_moe.compat import FSDP_WITH_TENSOR_PARALLEL
+
+BATCH_ROWS = 4
 VOCAB_SIZE = 98  # transformers 5.17 wants the gathered lm_head output to split evenly
+LINEAR_NUM_HEADS = 4  # `b_proj` has a row per KDA head: one for each rank of the 2 x 2 FSDP x TP mesh
 
 
 def has_token_dispatch():
@@ -40,17 +53,84 @@ def has_token_dispatch():
     return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
 
 
+class Layout(NamedTuple):
+    """How a layout is built, and how its ranks share the batch."""
+
+    load: Callable  # (model class, folder) -> the model laid out over `ranks` processes
+    ranks: int
+    batch_parts: int  # the data-parallel size: rank r holds part r // (ranks // batch_parts) of the batch
+
+
+def with_distributed_config(**sizes):
+    def load(model_class, folder):
+        from transformers.distributed import DistributedConfig
+
+        return model_class.from_pretrained(folder, distributed_config=DistributedConfig(**sizes))
+
+    return load
+
+
+def fully_shard_layers(model, mesh=None):
+    """FSDP2 by hand over `mesh` (default: every rank): every decoder layer, then the root (embeddings, tied head,
+    norms), with activation checkpointing."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.gradient_checkpointing_enable()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp2(model_class, folder):
+    return fully_shard_layers(model_class.from_pretrained(folder))
+
+
+def fsdp_over_tensor_parallel_by_hand(model_class, folder):
+    """FSDP x TP where transformers lays out only one of them from a DistributedConfig (5.17): tensor parallelism by
+    `from_pretrained` over the "tp" axis of the mesh, FSDP2 over its "fsdp" axis, balancing pooled over "fsdp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    model = model_class.from_pretrained(folder, tp_plan="auto", device_mesh=mesh)
+    model.set_balancing_group(mesh["fsdp"].get_group())
+    return fully_shard_layers(model, mesh["fsdp"])
+
+
 def layouts():
-    """Layout name -> (DistributedConfig arguments or None for `fully_shard`, whether the ranks split the batch)."""
+    """Layout name -> how it loads, over how many ranks, in how many parts they split the batch."""
     expert_parallel = dict(ep_size=2, tp_plan={}) if has_token_dispatch() else dict(tp_size=2, enable_expert_parallel=True)
-    chosen = {"fsdp2": (None, True), "tp": (dict(tp_size=2), False), "ep": (expert_parallel, False)}
+    chosen = {
+        "fsdp2": Layout(fsdp2, ranks=2, batch_parts=2),
+        "tp": Layout(with_distributed_config(tp_size=2), ranks=2, batch_parts=1),
+        "ep": Layout(with_distributed_config(**expert_parallel), ranks=2, batch_parts=1),
+    }
     if has_token_dispatch():
-        chosen["fsdp_x_ep"] = (dict(fsdp_size=2, ep_size=2), True)
+        chosen["fsdp_x_ep"] = Layout(with_distributed_config(fsdp_size=2, ep_size=2), ranks=2, batch_parts=2)
+    if FSDP_WITH_TENSOR_PARALLEL:
+        chosen["fsdp_x_tp"] = Layout(with_distributed_config(fsdp_size=2, tp_size=2), ranks=4, batch_parts=2)
+    else:
+        chosen["fsdp_x_tp"] = Layout(fsdp_over_tensor_parallel_by_hand, ranks=4, batch_parts=2)
     return chosen
 
 
+def rows(layout, rank):
+    """The rows of the batch that `rank` holds."""
+    part = rank // (layout.ranks // layout.batch_parts)
+    size = BATCH_ROWS // layout.batch_parts
+    return slice(part * size, (part + 1) * size)
+
+
+def data_parallel_peers(layout, rank):
+    """The ranks at `rank`'s place in each part of the batch, `rank` among them (None: every rank holds it whole)."""
+    if layout.batch_parts == 1:
+        return None
+    ranks_per_part = layout.ranks // layout.batch_parts
+    return [part * ranks_per_part + rank % ranks_per_part for part in range(layout.batch_parts)]
+
+
 def batch(step):
-    return torch.randint(1, VOCAB_SIZE, (2 * WORLD_SIZE, 10), generator=torch.Generator().manual_seed(300 + step))
+    return torch.randint(1, VOCAB_SIZE, (BATCH_ROWS, 10), generator=torch.Generator().manual_seed(300 + step))
 
 
 def full(tensor):
@@ -63,20 +143,12 @@ def biases(model):
     return {name: b.clone() for name, b in model.named_buffers() if name.endswith("correction_bias")}
 
 
-def load(folder, distributed):
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
+def balancing_ranks(model):
+    """The ranks over which the routers of `model` pool their balancing statistics (all alike), or None."""
+    from kda_moe.modeling.modeling_kda_moe import KdaMoeRouter, data_parallel_group
 
-    if distributed is None:  # FSDP2 by hand: every decoder layer, then the root (embeddings, tied head, norms)
-        from torch.distributed.fsdp import fully_shard
-
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        model.gradient_checkpointing_enable()
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return model
-    return AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(**distributed))
+    (group,) = {data_parallel_group(m.balancing_group) for m in model.modules() if isinstance(m, KdaMoeRouter)}
+    return None if group is None else dist.get_process_group_ranks(group)
 
 
 def run_two_steps(model, rows):
@@ -98,85 +170,11 @@ def run_two_steps(model, rows):
     return result
 
 
-@contextmanager
-def gloo_rank(rank, tmpdir):
-    """This process as rank `rank` of a gloo group of WORLD_SIZE (torchrun's environment variables set); yields the
-    dict of results that is saved to `tmpdir/rank{rank}.pt` once every rank is done."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {}
-        yield results
-        torch.save(results, f"{tmpdir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def worker(rank, tmpdir):
-    with gloo_rank(rank, tmpdir) as results:
-        import kda_moe  # noqa: F401  (registers the Auto classes)
-
-        for name, (distributed, splits_batch) in layouts().items():
-            rows = slice(rank * 2, rank * 2 + 2) if splits_batch else slice(None)
-            results[name] = run_two_steps(load(f"{tmpdir}/model", distributed), rows)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from kda_moe import KdaMoeForCausalLM
-
-    tmpdir = tmp_path_factory.mktemp("layouts")
-    torch.manual_seed(0)
-    KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE)).save_pretrained(tmpdir / "model")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
-    ranks = [torch.load(tmpdir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
-    reference = run_two_steps(KdaMoeForCausalLM.from_pretrained(tmpdir / "model"), slice(None))
-    return ranks, reference
-
-
-def bin_error(bias):
-    """What the pooled histogram may cost (see test_data_parallel_balancing.py): twice its bin width."""
-    return 2 * (2 + 4 * bias.abs().max().item()) / tiny_config().router_balancing_bins
-
-
-@pytest.mark.parametrize("layout", list(layouts()))
-def test_layout_gives_the_single_process_loss_and_gradients(runs, layout):
-    ranks, reference = runs
-    splits_batch = layouts()[layout][1]
-    loss = sum(r[layout]["loss0"] for r in ranks) / WORLD_SIZE if splits_batch else ranks[0][layout]["loss0"]
-    torch.testing.assert_close(loss, reference["loss0"], rtol=1e-5, atol=0)
-    for run in ranks:
-        grads = run[layout]["grads"]
-        assert grads.keys() == reference["grads"].keys()
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
-
-
-@pytest.mark.parametrize("layout", list(layouts()))
-def test_balancing_biases_are_identical_on_every_rank_and_match_one_process(runs, layout):
-    ranks, reference = runs
-    splits_batch = layouts()[layout][1]
-    for step in range(2):
-        first, second = (run[layout][f"biases{step}"] for run in ranks)
-        assert first.keys() == reference[f"biases{step}"].keys() and len(first) == 4
-        for name, bias in first.items():
-            assert torch.count_nonzero(bias) > 0 and torch.equal(bias, second[name]), name
-            if not splits_batch:  # the same tokens on every rank: nothing pooled, the exact quantiles
-                torch.testing.assert_close(bias, reference[f"biases{step}"][name], rtol=1e-5, atol=1e-6)
-    if splits_batch:  # pooled histograms: the first step starts from the same biases as the reference
-        for name, bias in ranks[0][layout]["biases0"].items():
-            exact = reference["biases0"][name]
-            assert (bias - exact).abs().max().item() <= bin_error(exact), name
-
-
-@pytest.mark.parametrize("layout", [name for name, (_, splits_batch) in layouts().items() if not splits_batch])
-def test_second_step_after_an_optimizer_step_matches_one_process(runs, layout):
-    ranks, reference = runs
-    for run in ranks:
-        torch.testing.assert_close(run[layout]["loss1"], reference["loss1"], rtol=1e-5, atol=0)
+def logits_and_parameters(model):
+    """Logits of one forward on the whole batch, and every parameter whole."""
+    with torch.no_grad():
+        logits = model(batch(0)).logits
+    return logits, {name: full(parameter) for name, parameter in model.named_parameters()}
 
 
 PUBLISHED_LAYOUTS = ("kimi_linear", "kimi_k3")
@@ -229,47 +227,163 @@ def logits_and_kda_tensors(model):
     return logits, seen
 
 
-def published_layout_worker(rank, tmpdir):
+@contextmanager
+def gloo_rank(rank, tmpdir, world_size):
+    """This process as rank `rank` of a gloo group of `world_size` (torchrun's environment variables set); yields
+    the dict of results that is saved to `tmpdir/rank{rank}.pt` once every rank is done."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        yield results
+        torch.save(results, f"{tmpdir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def layouts_worker(rank, tmpdir, world_size, folders):
+    """Two steps of every layout over `world_size` ranks, and the published layouts loaded on as many ranks: with TP
+    and with FSDP over 2 ranks; over 4, Kimi Linear's with FSDP x TP and, where a DistributedConfig lays that out
+    (5.18+), its refusal of the model with 2 KDA heads."""
     from transformers.distributed import DistributedConfig
 
-    with gloo_rank(rank, tmpdir) as results:
-        for layout in PUBLISHED_LAYOUTS:
-            model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(tp_size=2))
-            results[layout] = logits_and_kda_tensors(model)
-            model = load_published(f"{tmpdir}/{layout}", layout, distributed_config=DistributedConfig(fsdp_size=2))
-            parameters = {name: full(parameter) for name, parameter in model.named_parameters()}
-            results[f"{layout}_fsdp"] = logits_and_kda_tensors(model)[0], parameters
+    from kda_moe import KdaMoeForCausalLM
+
+    with gloo_rank(rank, tmpdir, world_size) as results:
+        for name, layout in layouts().items():
+            if layout.ranks == world_size:
+                model = layout.load(KdaMoeForCausalLM, f"{folders}/model")
+                results[name] = run_two_steps(model, rows(layout, rank)) | {"balancing_ranks": balancing_ranks(model)}
+        if world_size == 2:
+            for published in PUBLISHED_LAYOUTS:
+                folder = f"{folders}/{published}"
+                model = load_published(folder, published, distributed_config=DistributedConfig(tp_size=2))
+                results[f"{published}_tp"] = logits_and_kda_tensors(model)
+                model = load_published(folder, published, distributed_config=DistributedConfig(fsdp_size=2))
+                results[f"{published}_fsdp"] = logits_and_parameters(model)
+        if world_size == 4:
+            fsdp_x_tp = layouts()["fsdp_x_tp"].load
+            model = fsdp_x_tp(KdaMoeForCausalLM, f"{folders}/kimi_linear")
+            results["kimi_linear_fsdp_x_tp"] = logits_and_parameters(model)
+            if FSDP_WITH_TENSOR_PARALLEL:
+                try:
+                    fsdp_x_tp(KdaMoeForCausalLM, f"{folders}/two_heads")
+                except ValueError as refusal:
+                    results["refusal"] = str(refusal)
 
 
 @pytest.fixture(scope="module")
-def published_layout_runs(tmp_path_factory):
-    """Per layout, and per layout loaded with FSDP (`{layout}_fsdp`): what each of 2 ranks saw, what one process saw,
-    all loaded from the same folder."""
-    tmpdir = tmp_path_factory.mktemp("published_layouts")
+def folders(tmp_path_factory):
+    """`model`, which every layout trains; `two_heads`, the same with 2 KDA heads; the published layouts."""
+    from kda_moe import KdaMoeForCausalLM
+
+    folder = tmp_path_factory.mktemp("models")
+    for name, heads in (("model", LINEAR_NUM_HEADS), ("two_heads", 2)):
+        torch.manual_seed(0)
+        KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE, linear_num_heads=heads)).save_pretrained(folder / name)
     for layout in PUBLISHED_LAYOUTS:
-        save_published_layout(tmpdir / layout, layout)
+        save_published_layout(folder / layout, layout)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(folders, tmp_path_factory):
+    """Per world size, what each of its ranks saved (`layouts_worker`, one spawn); the single-process run."""
+    from kda_moe import KdaMoeForCausalLM
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(published_layout_worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
-    ranks = [torch.load(tmpdir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+    per_world = {}
+    for world_size in sorted({layout.ranks for layout in layouts().values()}):
+        tmpdir = tmp_path_factory.mktemp(f"{world_size}_ranks")
+        mp.spawn(layouts_worker, args=(str(tmpdir), world_size, str(folders)), nprocs=world_size, join=True)
+        per_world[world_size] = [torch.load(tmpdir / f"rank{rank}.pt") for rank in range(world_size)]
+    reference = run_two_steps(KdaMoeForCausalLM.from_pretrained(folders / "model"), slice(None))
+    return per_world, reference
+
+
+def layout_runs(runs, name):
+    """The layout `name`, what each of its ranks saved for it, and the single-process run."""
+    per_world, reference = runs
+    layout = layouts()[name]
+    return layout, [run[name] for run in per_world[layout.ranks]], reference
+
+
+def bin_error(bias):
+    """What the pooled histogram may cost (see test_data_parallel_balancing.py): twice its bin width."""
+    return 2 * (2 + 4 * bias.abs().max().item()) / tiny_config().router_balancing_bins
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_layout_gives_the_single_process_loss_and_gradients(runs, name):
+    _, ranks, reference = layout_runs(runs, name)
+    loss = torch.stack([run["loss0"] for run in ranks]).mean()  # every part of the batch on as many ranks
+    torch.testing.assert_close(loss, reference["loss0"], rtol=1e-5, atol=0)
+    for run in ranks:
+        grads = run["grads"]
+        assert grads.keys() == reference["grads"].keys()
+        for parameter, grad in grads.items():
+            torch.testing.assert_close(grad, reference["grads"][parameter], rtol=1e-5, atol=1e-7, msg=parameter)
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_balancing_pools_over_the_ranks_that_hold_other_tokens_only(runs, name):
+    """Ranks of one tensor-parallel group route the same tokens: pooling over them would count each token once per
+    rank. FSDP x TP pools over the "fsdp" axis ([0, 2] and [1, 3]), FSDP alone over every rank, TP and EP nowhere."""
+    layout, ranks, _ = layout_runs(runs, name)
+    for rank, run in enumerate(ranks):
+        assert run["balancing_ranks"] == data_parallel_peers(layout, rank)
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_balancing_biases_are_identical_on_every_rank_and_match_one_process(runs, name):
+    layout, ranks, reference = layout_runs(runs, name)
+    for step in range(2):
+        first, *others = (run[f"biases{step}"] for run in ranks)
+        assert first.keys() == reference[f"biases{step}"].keys() and len(first) == 4
+        for bias_name, bias in first.items():
+            assert torch.count_nonzero(bias) > 0, bias_name
+            assert all(torch.equal(bias, other[bias_name]) for other in others), bias_name
+            if layout.batch_parts == 1:  # the same tokens on every rank: nothing pooled, the exact quantiles
+                torch.testing.assert_close(bias, reference[f"biases{step}"][bias_name], rtol=1e-5, atol=1e-6)
+    if layout.batch_parts > 1:  # pooled histograms: the first step starts from the same biases as the reference
+        for bias_name, bias in ranks[0]["biases0"].items():
+            exact = reference["biases0"][bias_name]
+            assert (bias - exact).abs().max().item() <= bin_error(exact), bias_name
+
+
+@pytest.mark.parametrize("name", [name for name, layout in layouts().items() if layout.batch_parts == 1])
+def test_second_step_after_an_optimizer_step_matches_one_process(runs, name):
+    _, ranks, reference = layout_runs(runs, name)
+    for run in ranks:
+        torch.testing.assert_close(run["loss1"], reference["loss1"], rtol=1e-5, atol=0)
+
+
+@pytest.fixture(scope="module")
+def published_layout_runs(runs, folders):
+    """Per layout loaded with TP (`{layout}_tp`) and with FSDP (`{layout}_fsdp`): what each of 2 ranks saw, what one
+    process saw, all loaded from the same folder."""
     single = {}
     for layout in PUBLISHED_LAYOUTS:
-        model = load_published(tmpdir / layout, layout)
-        single[layout] = logits_and_kda_tensors(model)
-        single[f"{layout}_fsdp"] = single[layout][0], {name: p.detach() for name, p in model.named_parameters()}
-    return ranks, single
+        model = load_published(folders / layout, layout)
+        single[f"{layout}_tp"] = logits_and_kda_tensors(model)
+        single[f"{layout}_fsdp"] = logits_and_parameters(model)
+    per_world, _ = runs
+    return per_world[2], single
 
 
 @pytest.mark.parametrize("layout", PUBLISHED_LAYOUTS)
 def test_tensor_parallel_load_of_a_published_layout_runs_each_rank_on_its_own_heads(published_layout_runs, layout):
     ranks, single = published_layout_runs
-    logits, whole = single[layout]
+    logits, whole = single[f"{layout}_tp"]
     assert len(whole["A_log"]) == len(whole["conv"]) == 3  # the KDA layers
     for rank, run in enumerate(ranks):
-        rank_logits, local = run[layout]
+        rank_logits, local = run[f"{layout}_tp"]
         for name, tensors in whole.items():
             for layer, tensor in enumerate(tensors):
                 blocks = 3 if name == "conv" else 1  # the conv weight is q | k | v, each split by head
-                expected = tensor.view(blocks, WORLD_SIZE, -1, *tensor.shape[1:])[:, rank].flatten(0, 1)
+                expected = tensor.view(blocks, len(ranks), -1, *tensor.shape[1:])[:, rank].flatten(0, 1)
                 torch.testing.assert_close(local[name][layer], expected, rtol=0, atol=0, msg=f"{name} {layer}")
         torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-6)
 
@@ -289,6 +403,20 @@ def test_fsdp_load_of_a_published_layout_gives_every_rank_the_single_process_par
         torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-6)
 
 
+def test_fsdp_x_tp_load_of_the_published_kimi_linear_layout_gives_every_rank_the_single_process_parameters(
+    runs, published_layout_runs
+):
+    per_world, _ = runs
+    _, single = published_layout_runs
+    logits, parameters = single["kimi_linear_fsdp"]
+    for run in per_world[4]:
+        rank_logits, rank_parameters = run["kimi_linear_fsdp_x_tp"]
+        assert rank_parameters.keys() == parameters.keys()
+        for name, parameter in rank_parameters.items():
+            torch.testing.assert_close(parameter, parameters[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-6)
+
+
 def test_published_layout_conversion_into_a_strided_shard_is_refused_with_the_fix():
     """A conversion that needs whole checkpoint tensors can undo the loader's contiguous `Shard` cuts, not the
     interleaved ones of a `_StridedShard`: it refuses and names the conversion to run first."""
@@ -302,6 +430,36 @@ def test_published_layout_conversion_into_a_strided_shard_is_refused_with_the_fi
     parameter = SimpleNamespace(device_mesh=SimpleNamespace(ndim=1), placements=interleaved, ndim=2)
     with pytest.raises(ValueError, match=r"_StridedShard.*save_pretrained\(converted, layout='kda_moe'\)"):
         whole_checkpoint_tensor(torch.zeros(4, 2), parameter)
+
+
+@pytest.mark.skipif(
+    not FSDP_WITH_TENSOR_PARALLEL,
+    reason="transformers 5.17 lays out FSDP x TP by hand only: fully_shard after a tensor-parallel load, no FSDP shard "
+    "for its loader to read",
+)
+def test_fsdp_x_tp_that_leaves_a_rank_no_row_of_a_parameter_is_refused_with_the_sizes_that_work(runs):
+    """`b_proj` has a row per KDA head: 2 heads give each tensor-parallel rank 1 row, none for one of its 2 FSDP ranks,
+    which transformers' loader cannot read."""
+    per_world, _ = runs
+    for run in per_world[4]:
+        assert "refusal" in run, "FSDP x TP of 2 KDA heads over a 2 x 2 mesh loaded"
+        expected = r"ranks \[2, 3\] without any row of `model\.layers\.0\.self_attn\.b_proj\.weight`.*product divides 2"
+        assert re.search(expected, run["refusal"]) and "dp_replicate_size" in run["refusal"]
+
+
+@pytest.mark.skipif(
+    FSDP_WITH_TENSOR_PARALLEL, reason="transformers 5.18+ lays out FSDP x TP from one DistributedConfig (fsdp_x_tp)"
+)
+def test_fsdp_with_tensor_parallel_in_one_distributed_config_is_refused_on_transformers_5_17():
+    """5.17 would apply the tensor-parallel plan alone, over the first tp_size ranks."""
+    from transformers.distributed import DistributedConfig
+
+    from kda_moe import KdaMoeForCausalLM
+
+    model = KdaMoeForCausalLM(tiny_config())
+    fix = r"tp_size=2, fsdp_size=2.*transformers >= 5\.18.*device_mesh=mesh.*set_balancing_group"
+    with pytest.raises(ValueError, match=fix):
+        KdaMoeForCausalLM.maybe_distribute_model(model, DistributedConfig(tp_size=2, fsdp_size=2), None)
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_kda_heads_is_refused():
