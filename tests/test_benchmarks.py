@@ -244,3 +244,35 @@ def test_ncu_lines_charges_each_instructions_stall_samples_to_its_source_line():
     (s1, loc1, why1), (s2, loc2, why2) = lines.attribute(parsed, where)
     assert (s1, loc1, why1[0]) == (0.6, ("chunk_fwd.py", 10), ("long_sb", 5 / 6))
     assert (s2, loc2, why2[0]) == (0.4, ("standard.py", 263), ("barrier", 0.75))
+
+
+def test_parallel_benchmark_times_every_layout_on_two_gloo_ranks(tmp_path):
+    """benchmarks/parallel.py under torchrun on 2 CPU ranks (gloo), the tiny model: every layout trains, counts the
+    distinct tokens of its step (tp / ep: the ranks share a row; fsdp2, cp, fsdp_x_cp: 2 rows' worth) and is compared
+    with the single rank's throughput."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(root / "benchmarks" / "parallel.py"), str(tmp_path), "model=tiny", "tokens=32", "steps=1",
+               "experts=8"]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "parallel.json").read_text())
+    results = report["results"]
+    assert report["world"] == 2 and list(results) == ["single", "fsdp2", "tp", "ep", "cp", "fsdp_x_cp"]
+    tokens = {"single": 32, "fsdp2": 64, "tp": 32, "ep": 32, "cp": 64, "fsdp_x_cp": 64}
+    for layout, result in results.items():
+        assert result["s"] > 0 and result["tok_s"] * result["s"] == pytest.approx(tokens[layout]), layout
+        gpus = 1 if layout == "single" else 2
+        efficiency = result["tok_s"] / (gpus * results["single"]["tok_s"])
+        assert f"| {layout} | {gpus} | {result['tok_s']:,.0f} |" in out.stdout and f"{efficiency:.2f} |" in out.stdout
+
+
+def test_parallel_benchmark_refuses_unknown_layouts_and_models(tmp_path):
+    parallel = load_benchmark("parallel.py")
+    with pytest.raises(ValueError, match="unknown layouts \\['dp'\\]"):
+        parallel.main(tmp_path, model="tiny", layouts="single,dp")
+    with pytest.raises(ValueError, match="model='k4'"):
+        parallel.main(tmp_path, model="k4")

@@ -1,7 +1,7 @@
 """A linear head's next-token cross-entropy without its [tokens, vocab] logits.
 
 The logits of a causal LM's head are the largest activation of a training step: [tokens, vocab] in the compute dtype,
-then again in fp32 for the loss, then their gradient. Here the head's product, the loss and both gradients run a chunk
+then again in fp32 for the loss, then their gradient. Here the head's product, the loss and both gradients go a chunk
 of tokens at a time during the forward, so only one chunk's fp32 logits exist at once, and the backward only scales
 the kept gradients by the loss's incoming gradient: the head costs three products, as without chunking.
 """
