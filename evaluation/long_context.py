@@ -190,7 +190,7 @@ def score(model, tokenizer, docs: list[dict], timings: dict | None = None) -> di
 
 def train_tiny_model(tokenizer, tasks=TASKS, length: int = 48, steps: int = 200, batch_size: int = 16, seed: int = 0):
     """A tiny kda-moe model trained briefly (CPU, seconds to minutes) on fresh documents of the suite's tasks at a
-    short length: language-model loss on context, question and answer. Returns (model, untrained copy)."""
+    short length, with the loss on the answer's tokens only: what the suite scores. Returns (model, untrained copy)."""
     import copy
 
     from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig
@@ -207,13 +207,18 @@ def train_tiny_model(tokenizer, tasks=TASKS, length: int = 48, steps: int = 200,
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng, sentences = random.Random(seed + 1), filler_sentences()
     model.train()
-    for step in range(steps):
+    for _ in range(steps):
         docs = [make_document(tasks[i % len(tasks)], tokenizer, length, rng.random(), rng, sentences) for i in range(batch_size)]
-        texts = [f"{d['context']}\n{d['question']}{d['choices'][d['label']]}" for d in docs]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
-        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
+        prompts = [tokenizer(f"{d['context']}\n{d['question']}").input_ids for d in docs]
+        answers = [tokenizer(d["choices"][d["label"]], add_special_tokens=False).input_ids for d in docs]
+        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        attention_mask, labels = torch.zeros_like(input_ids), torch.full_like(input_ids, -100)
+        for row, (prompt, answer) in enumerate(zip(prompts, answers)):  # right padding
+            end = len(prompt) + len(answer)
+            input_ids[row, :end], attention_mask[row, :end] = torch.tensor(prompt + answer), 1
+            labels[row, len(prompt) : end] = torch.tensor(answer)
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     return model.eval(), untrained
