@@ -3,7 +3,7 @@
     python evaluation/long_context.py write --lengths 4096 65536 262144 1048576 --out outputs/long_context
     lm_eval --model hf --model_args pretrained=MODEL,trust_remote_code=True --include_path outputs/long_context/tasks \\
         --tasks kda_long_context --batch_size 1
-    python evaluation/long_context.py score --model MODEL --suite outputs/long_context --plot accuracy.png
+    python evaluation/long_context.py score --model MODEL --suite outputs/long_context --plot accuracy.png [--card]
 
 Three tasks, each a multiple-choice question after a long context (chance = 1 / number of choices):
 - `passkey`: a pass key hidden at a chosen depth (0 ... 1) of filler text (`examples/data/corpus.txt`);
@@ -224,6 +224,22 @@ def train_tiny_model(tokenizer, tasks=TASKS, length: int = 48, steps: int = 200,
     return model.eval(), untrained
 
 
+TASK_NAMES = {"passkey": "pass-key retrieval", "kv_hops": "multi-hop key-value tracking",
+              "tool_trace": "tool-use trace with error recovery"}  # fmt: skip
+
+
+def eval_results(results: dict[tuple[str, int], float]) -> list:
+    """The accuracies as `huggingface_hub.EvalResult`s: a model card's `model-index` (`write_model_card(...,
+    eval_results=...)`), one per task and context length."""
+    from huggingface_hub import EvalResult
+
+    return [
+        EvalResult(task_type="multiple-choice", dataset_type=f"kda_long_context_{task}", dataset_name=TASK_NAMES[task],
+                   dataset_config=str(length), metric_type="accuracy", metric_value=round(accuracy, 4))
+        for (task, length), accuracy in sorted(results.items())
+    ]  # fmt: skip
+
+
 def plot(results: dict[tuple[str, int], float], path: Path) -> None:
     import matplotlib
 
@@ -252,7 +268,11 @@ def main(argv=None):
     parser.add_argument("--model", help="model folder or Hub id (score)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the model's, else the one shipped with kda-moe)")
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--card", action="store_true",
+                        help="score: write the accuracies into the model folder's card (model-index and table)")
     args = parser.parse_args(argv)
+    if args.card and not (args.command == "score" and args.model and Path(args.model).is_dir()):
+        raise ValueError(f"--card writes the scores into a local model folder's card; --model {args.model!r} is not one.")
     import kda_moe  # noqa: F401  (registers the Auto classes)
     from kda_moe.processing import TOKENIZER_DIR
 
@@ -271,6 +291,10 @@ def main(argv=None):
         print(f"{task:12s} {length:>9d} tokens  accuracy {acc:.3f}  {seconds:.2f} s/sequence  peak {memory:.1f} GiB")
     if args.plot:
         plot(results, args.plot)
+    if args.card:
+        from kda_moe.model_cards import write_model_card
+
+        print(write_model_card(model, args.model, eval_results=eval_results(results)))
 
 
 if __name__ == "__main__":

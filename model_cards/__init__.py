@@ -18,7 +18,7 @@ or a generic one, from `create_and_tag_model_card`. The models' `_upload_modifie
 from pathlib import Path
 
 import torch
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .template import CARD_TEMPLATE
 
@@ -126,6 +126,21 @@ def _usage(config, model_id: str, *, remote_code: bool) -> str:
     return "\n".join(lines)
 
 
+def evaluation_text(eval_results: list[EvalResult] | None) -> str:
+    """The card's evaluation section: a table of `eval_results`, or how to fill it."""
+    if not eval_results:
+        return (
+            "Not evaluated yet. kda-moe's long-context suite (`evaluation/long_context.py` in its repository) scores a "
+            "model folder and writes its results here: `python evaluation/long_context.py score --model FOLDER "
+            "--suite SUITE --card`."
+        )
+    rows = [
+        f"| {result.dataset_name} | {result.dataset_config or ''} | {result.metric_type} | {result.metric_value:.3f} |"
+        for result in eval_results
+    ]
+    return "| task | context tokens | metric | value |\n|---|---|---|---|\n" + "\n".join(rows)
+
+
 def model_card(
     model: torch.nn.Module,
     *,
@@ -137,24 +152,29 @@ def model_card(
     datasets: list[str] | None = None,
     base_model: str | None = None,
     tags: list[str] | None = None,
+    eval_results: list[EvalResult] | None = None,
 ) -> ModelCard:
     """The filled-in card of `model` (a `huggingface_hub.ModelCard`, metadata parsed strictly); `tags` add to
-    kda-moe's own. `license=None` states no license for the model."""
+    kda-moe's own. `license=None` states no license for the model. `eval_results` (e.g. from
+    `evaluation/long_context.py score --card`) become the card's `model-index` and its evaluation table."""
     config = model.config
     text = config.get_text_config()
     counts = parameter_counts(model)
+    model_name = model_name or (Path(model_id).name if model_id != DEFAULT_MODEL_ID else "kda-moe model")
     data = ModelCardData(
+        model_name=model_name if eval_results else None,
         license=license,
         library_name="transformers",
         pipeline_tag="image-text-to-text" if _is_multimodal(config) else "text-generation",
         tags=TAGS + [tag for tag in tags or [] if tag not in TAGS],
         datasets=datasets,
         base_model=base_model,
+        eval_results=eval_results or None,
     )
     model_license = f"The model is released under `{license}`." if license else "No license is stated for this model."
     body = CARD_TEMPLATE.substitute(
         generated_mark=GENERATED_MARK,
-        model_name=model_name or (Path(model_id).name if model_id != DEFAULT_MODEL_ID else "kda-moe model"),
+        model_name=model_name,
         model_kind="An image-text-to-text model (a native-resolution vision tower feeding a causal language model)"
         if _is_multimodal(config)
         else "A causal language model",
@@ -173,6 +193,7 @@ def model_card(
         training_summary=training_summary,
         remote_code_usage=_usage(config, model_id, remote_code=True),
         package_usage=_usage(config, model_id, remote_code=False),
+        evaluation=evaluation_text(eval_results),
         license_text=f"{model_license} The `.py` files in this folder are kda-moe's source code, under kda-moe's "
         f"license ({CODE_LICENSE}).",
     )
@@ -191,13 +212,15 @@ def write_model_card(model: torch.nn.Module, save_directory, *, overwrite: bool 
     """Write the card as `save_directory/README.md` and return its path.
 
     Keeps a `README.md` someone else wrote (returns None) unless `overwrite`; `card_fields` go to `model_card`
-    (`model_id` defaults to the folder's name; `license` to the one the folder's card of ours states, if any)."""
+    (`model_id` defaults to the folder's name; `license` and `eval_results` to those the folder's card of ours states,
+    if any)."""
     path = Path(save_directory) / "README.md"
     previous = _our_card(path)
     if path.exists() and previous is None and not overwrite:
         return None
     card_fields.setdefault("model_id", Path(save_directory).resolve().name)
     card_fields.setdefault("license", previous.data.license if previous is not None else None)
+    card_fields.setdefault("eval_results", previous.data.eval_results if previous is not None else None)
     model_card(model, **card_fields).save(path)
     return path
 
@@ -207,14 +230,16 @@ def write_pushed_model_card(model: torch.nn.Module, working_dir, repo_id: str) -
 
     That file is `create_and_tag_model_card`'s: the Hub's card, or a generic one, either with the push's tags. A card
     someone wrote on the Hub (neither ours nor the generic one) is kept (returns None); otherwise the card is ours,
-    named after `repo_id`, with the pushed card's tags and license."""
+    named after `repo_id`, with the pushed card's tags, license and evaluation results."""
     path = Path(working_dir) / "README.md"
     pushed = ModelCard(path.read_text(encoding="utf-8")) if path.exists() else None
     if pushed is not None and GENERATED_MARK not in pushed.text and TRANSFORMERS_GENERIC_CARD_MARK not in pushed.text:
         return None
     tags = pushed.data.tags if pushed is not None else None
     license = pushed.data.license if pushed is not None else None
-    model_card(model, model_id=repo_id, tags=[tags] if isinstance(tags, str) else tags, license=license).save(path)
+    eval_results = pushed.data.eval_results if pushed is not None else None
+    tags = [tags] if isinstance(tags, str) else tags
+    model_card(model, model_id=repo_id, tags=tags, license=license, eval_results=eval_results).save(path)
     return path
 
 

@@ -39,6 +39,10 @@ $intended_use
 
 $training_summary
 
+## Evaluation
+
+$evaluation
+
 ## How to use
 
 The folder carries the kda-moe source code it runs (the `.py` files beside the weights; `config.json`'s `auto_map`

@@ -89,3 +89,24 @@ def test_a_briefly_trained_tiny_model_finds_the_pass_key_far_above_chance():
     for length in (64, 128):
         assert trained["passkey", length] >= 0.6, (trained, before)
         assert trained["passkey", length] >= before["passkey", length] + 0.3, (trained, before)
+
+
+def test_score_writes_the_accuracies_into_the_model_folders_card(tmp_path):
+    """`score --card` on a saved tiny model: the card's model-index holds one accuracy per task and length, the ones
+    `score` computes."""
+    from conftest import tiny_model
+    from huggingface_hub import ModelCard
+
+    lc, tok = suite(), tokenizer()
+    model = tiny_model(vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    lc.write_suite(tmp_path / "suite", tok, lengths=[64], count=2)
+    lc.main(["score", "--model", str(tmp_path / "model"), "--suite", str(tmp_path / "suite"), "--card"])
+    expected = lc.score(model, tok, lc.read_suite(tmp_path / "suite"))
+    card = ModelCard.load(tmp_path / "model" / "README.md", ignore_metadata_errors=False)
+    got = {(r.dataset_type.removeprefix("kda_long_context_"), int(r.dataset_config)): r.metric_value
+           for r in card.data.eval_results}  # fmt: skip
+    assert got == pytest.approx(expected) and len(got) == 3
+    with pytest.raises(ValueError, match="local model folder"):
+        lc.main(["score", "--model", "someone/on-the-hub", "--suite", str(tmp_path / "suite"), "--card"])

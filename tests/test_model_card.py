@@ -54,6 +54,26 @@ def test_card_states_a_license_only_when_given_and_keeps_it_when_written_again(t
     assert ModelCard.load(tmp_path / "README.md").data.license == "apache-2.0"
 
 
+def test_evaluation_results_become_the_model_index_and_survive_saving_again(tmp_path):
+    from huggingface_hub import EvalResult
+
+    from kda_moe.model_cards import write_model_card
+
+    model = tiny_model(seed=0)
+    folder = tmp_path / "evaluated"
+    model.save_pretrained(folder)
+    assert "Not evaluated yet" in (folder / "README.md").read_text() and "model-index" not in (folder / "README.md").read_text()
+    results = [EvalResult(task_type="multiple-choice", dataset_type="kda_long_context_passkey",
+                          dataset_name="pass-key retrieval", dataset_config=str(length), metric_type="accuracy",
+                          metric_value=value) for length, value in ((4096, 0.85), (65536, 0.4))]  # fmt: skip
+    write_model_card(model, folder, eval_results=results, license="apache-2.0")
+    model.save_pretrained(folder)  # saving again keeps the results and the license
+    card = ModelCard.load(folder / "README.md", ignore_metadata_errors=False)
+    assert card.data.model_name == "evaluated" and card.data.license == "apache-2.0"
+    assert [(r.dataset_config, r.metric_value) for r in card.data.eval_results] == [("4096", 0.85), ("65536", 0.4)]
+    assert "| pass-key retrieval | 4096 | accuracy | 0.850 |" in card.text and "Not evaluated yet" not in card.text
+
+
 def test_multimodal_folder_gets_a_card_of_its_own(tmp_path):
     from kda_moe.model_cards import GENERATED_MARK, parameter_counts
 
