@@ -276,3 +276,18 @@ def test_parallel_benchmark_refuses_unknown_layouts_and_models(tmp_path):
         parallel.main(tmp_path, model="tiny", layouts="single,dp")
     with pytest.raises(ValueError, match="model='k4'"):
         parallel.main(tmp_path, model="k4")
+
+
+def test_attn_res_benchmark_cpu_mode_writes_its_table(tmp_path):
+    """benchmarks/attn_res.py ``cpu``: tiny fp32 shapes, our kernels under the interpreter, no fla column; ours within
+    1e-5 of the fp32 reference in the output and every gradient."""
+    bench = load_benchmark("attn_res.py")
+    result = bench.main(str(tmp_path), cpu=True)
+
+    assert [(r["rows"], r["d"], r["blocks"]) for r in result["rows"]] == bench.CPU_SHAPES
+    for row in result["rows"]:
+        assert row["ours_rel_err_out"] < 1e-5 and row["ours_rel_err_grad"] < 1e-5
+        assert all(row[f"{side}_{p}_ms"] > 0 for side in ("ours", "torch_ref") for p in ("fwd", "fwdbwd"))
+        assert not any(key.startswith("fla") for key in row)
+    table = (tmp_path / "attn_res_bench.md").read_text()
+    assert "| 10 x 40, N=3 | fwdbwd |" in table and json.loads((tmp_path / "attn_res_bench.json").read_text())["rows"]
