@@ -131,8 +131,8 @@ def write_table(res, out):
     """Write OUTDIR/attn_res_bench.md and .json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, triton {res['triton']}. Sources bf16 (fp32 on CPU), weights fp32; "
           "errors against our fp32 reference (output / worst gradient).", "",
-          "| rows x d, N blocks | pass | ours | fla fused_attnres | torch ref | fla / ours | torch / ours | ours GB/s | "
-          "rel err ours | rel err fla |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "| rows x d, N blocks | pass | ours | fla fused_attnres | torch ref | fla / ours | torch / ours | "
+          "ours GB/s | rel err ours | rel err fla |", "|---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda x: f"{x:.3f} ms" if x is not None else "-"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
     for r in res["rows"]:

@@ -27,7 +27,8 @@ from kda_moe.kernels.attn_res.reference import attn_res_mix as reference_mix  # 
 dev = "cpu" if INTERPRETED else "cuda"
 EPS = 1e-6
 SHAPE = (2, 5)  # 10 token rows: not a multiple of the 4-row blocks
-SMALL_SLICES = mix_kernel.MixLaunch(rows=4, block_d=16, warps=1, backward_blocks=2)  # d = 40 in 3 slices, 2 bwd programs
+# d = 40 in three slices (the last one partial), 10 rows in two backward programs
+SMALL_SLICES = mix_kernel.MixLaunch(rows=4, block_d=16, warps=1, backward_blocks=2)
 
 
 def mix_inputs(blocks, d, shape=SHAPE, dtype=torch.float32, blocks_dtype=None, seed=0):

@@ -147,10 +147,6 @@ def _attn_res_bwd_kernel(blocks, partial, norm_w, query_w, weights, rstd, grad_o
             tl.store(part, tl.load(part, mask=m_d, other=0.0) + grad_q, mask=m_d)
 
 
-def _stats_width(sources: int) -> int:
-    return triton.next_power_of_2(sources)
-
-
 def _mix_fwd(partial: torch.Tensor, blocks: torch.Tensor, norm_weight: torch.Tensor, query_weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, D = blocks.shape[0], partial.shape[-1]
@@ -161,7 +157,7 @@ def _mix_fwd(partial: torch.Tensor, blocks: torch.Tensor, norm_weight: torch.Ten
     rstd = torch.empty_like(weights)
     _attn_res_fwd_kernel[(triton.cdiv(M, launch.rows),)](
         blocks, partial, norm_weight, query_weight, out, weights, rstd, M, N, eps, D=D, BD=launch.block_d,
-        ROWS=launch.rows, SP=_stats_width(N + 1), num_warps=launch.warps)
+        ROWS=launch.rows, SP=triton.next_power_of_2(N + 1), num_warps=launch.warps)
     return out, weights, rstd
 
 
@@ -187,7 +183,7 @@ def attn_res_mix_bwd_op(partial: torch.Tensor, blocks: torch.Tensor, norm_weight
     grad_query_part = torch.zeros(grid, D, device=partial.device, dtype=torch.float32)
     _attn_res_bwd_kernel[(grid,)](
         blocks, partial, norm_weight, query_weight, weights, rstd, grad_out.contiguous(), grad_blocks, grad_partial,
-        grad_query_part, M, N, D=D, BD=launch.block_d, ROWS=launch.rows, SP=_stats_width(N + 1),
+        grad_query_part, M, N, D=D, BD=launch.block_d, ROWS=launch.rows, SP=triton.next_power_of_2(N + 1),
         ITERS=launch.backward_blocks, num_warps=launch.warps)
     grad_query = grad_query_part.sum(0)  # [D]: gradient of norm_weight * query_weight
     return (grad_partial, grad_blocks, (grad_query * query_weight.float()).to(norm_weight.dtype),
