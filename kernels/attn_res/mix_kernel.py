@@ -6,9 +6,10 @@ the sources: the first sums each source's squares and its dot product with the p
 N + 1 sources of every row follows, the second forms the weighted sum. It saves each row's weights and inverse RMS
 ([N + 1, rows] fp32). The backward recomputes the dot products and the output gradient's product with each source in
 a first pass, then writes every source's gradient in a second; the pseudo-query's gradient (a sum over rows) goes to a
-per-program fp32 buffer [programs, d], summed afterwards in a fixed order. All math in fp32; outputs in the inputs'
-dtype. A row's output depends on that row alone, the same wherever the row sits in the batch. Both directions are
-``torch.library.custom_op``s with fake implementations.
+per-program fp32 buffer [programs, d], summed afterwards in a fixed order. All math in fp32; the output in the partial
+sum's dtype, each source's gradient in that source's dtype (fp32 blocks and a bf16 partial sum under autocast are
+read as they are). A row's output depends on that row alone, the same wherever the row sits in the batch. Both
+directions are ``torch.library.custom_op``s with fake implementations.
 """
 
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ class MixLaunch:
 
 def mix_launch(d: int) -> MixLaunch:
     """4 rows a program, slices of up to 512 channels and a warp per 256 elements of a [rows, slice] tile: an fp32 tile
-    is then 8 registers a thread, and the sm_90 compile (benchmarks/compile_report.py) gives about 60-80 registers
-    in the forward and 100-120 in the backward at d = 1024 and 7168, where 1024-channel slices on 4 warps take 255 in
-    the backward. 32 rows per backward program keep the gradient buffer at 1/32 of a source. Not tuned on a GPU yet."""
+    is then 8 registers a thread, and the sm_90 compile (benchmarks/compile_report.py) gives 48-77 registers in the
+    forward and 101-123 in the backward at d = 1024 and 7168, no spills, where 1024-channel slices on 4 warps take 255
+    in the backward. 32 rows per backward program keep the gradient buffer at 1/32 of a source. Not tuned on a GPU yet."""
     rows, block_d = 4, min(triton.next_power_of_2(d), 512)
     return MixLaunch(rows=rows, block_d=block_d, warps=max(1, rows * block_d // 256), backward_blocks=8)
 
