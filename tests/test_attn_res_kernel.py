@@ -181,3 +181,13 @@ def test_model_loss_and_gradients_are_the_same_with_the_triton_mix():
     assert rel(loss, expected_loss) < 1e-5 and grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert rel(grad, expected_grads[name]) < 1e-5, (name, rel(grad, expected_grads[name]))
+
+
+def test_torch_compile_traces_the_mix_as_one_op_with_its_backward():
+    """torch.compile (fullgraph) takes the Triton mix as its custom op and the backward through the registered one."""
+    inputs = mix_inputs(2, 40)
+    grad_out = torch.randn(*SHAPE, 40).to(dev)
+    compiled = torch.compile(lambda *x: attn_res_mix(*x, EPS, backend="triton"), backend="eager", fullgraph=True)
+    out = compiled(*inputs)
+    got = (out, *torch.autograd.grad(out, inputs, grad_out))
+    assert all(torch.equal(a, b) for a, b in zip(got, mix_and_grads(inputs, grad_out, "triton")))

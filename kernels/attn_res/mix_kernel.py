@@ -31,8 +31,8 @@ class MixLaunch:
 
 def mix_launch(d: int) -> MixLaunch:
     """4 rows a program, slices of up to 512 channels and a warp per 256 elements of a [rows, slice] tile: an fp32 tile
-    is then 8 registers a thread, and the sm_90 compile (benchmarks/compile_report.py) gives 48-77 registers in the
-    forward and 101-123 in the backward at d = 1024 and 7168, no spills, where 1024-channel slices on 4 warps take 255
+    is then 8 registers a thread, and the sm_90 compile (benchmarks/compile_report.py) gives 48-63 registers in the
+    forward and 108-119 in the backward at d = 1024 and 7168, no spills, where 1024-channel slices on 4 warps take 255
     in the backward. 32 rows per backward program keep the gradient buffer at 1/32 of a source. Not tuned on a GPU yet."""
     rows, block_d = 4, min(triton.next_power_of_2(d), 512)
     return MixLaunch(rows=rows, block_d=block_d, warps=max(1, rows * block_d // 256), backward_blocks=8)
