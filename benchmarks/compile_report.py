@@ -2,8 +2,9 @@
 without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the chunked
 forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine kernels, the
 MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts: 64 experts, top-8,
-width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at 1 and 16 tokens, and
-the top-k router for 384 experts). Device time is scarce; spills, shared-memory overflows and compile errors (the
+width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at 1 and 16 tokens, the
+top-k router for 384 experts, and the Block AttnRes mix's forward and backward at the anchor config's width 1024 with
+4 blocks and K3's 7168 with 8). Device time is scarce; spills, shared-memory overflows and compile errors (the
 interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
@@ -101,6 +102,7 @@ def compile_all(dtype, forward_fields, backward_fields):
                                          moe_decode.moe_decode_launch(tokens, L, I))
         compile_projections(dtype)
         compile_routing()
+        compile_attn_res(dtype)
     finally:
         JITFunction.run = launch
     return compiled
@@ -136,6 +138,17 @@ def compile_routing():
 
     for tokens in (1, 64):
         routing._sigmoid_top_k(torch.zeros(tokens, 384), torch.zeros(384), 8, True, 1.0)
+
+
+def compile_attn_res(dtype):
+    """The Block AttnRes mix's forward and backward kernels at width 1024 with 4 blocks (the anchor config's deepest
+    mix) and K3's width 7168 with 8, on 8 token rows."""
+    from kda_moe.kernels.attn_res import mix_kernel
+
+    for blocks, d in ((4, 1024), (8, 7168)):
+        partial, stored, weight = torch.zeros(8, d, dtype=dtype), torch.zeros(blocks, 8, d, dtype=dtype), torch.zeros(d)
+        _, weights, rstd = mix_kernel._mix_fwd(partial, stored, weight, weight, 1e-6)
+        mix_kernel.attn_res_mix_bwd_op(partial, stored, weight, weight, weights, rstd, partial)
 
 
 def main():

@@ -52,6 +52,7 @@ from ..compat import (
 from ..configuration import KdaMoeTextConfig
 from ..distributed.sharded_loading import check_shards_load
 from ..distributed.tensor_parallel import check_fsdp_with_tensor_parallel, data_parallel_group_of_mesh
+from ..kernels.attn_res import attn_res_mix
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.backend import resolve_backend
 from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
@@ -1205,13 +1206,15 @@ class KdaMoeAttnRes(nn.Module):
     `w = norm.weight * proj.weight` is the effective pseudo-query (zero at init: uniform mixing); keys are the
     RMS-normalised values, the mixture is taken over the raw values, all in fp32, also under autocast: a bf16
     `keys @ query` makes a row's mixture depend on where the row sits in the batch, which RL trainers that re-order
-    rows between rollout and training see as an importance ratio != 1.
+    rows between rollout and training see as an importance ratio != 1. `attn_res_mix` computes it: a fused Triton
+    kernel or the PyTorch reference, as `config.kernel_backend` picks.
     """
 
     def __init__(self, config: KdaMoeTextConfig):
         super().__init__()
         self.proj = KdaMoePseudoQuery(config.hidden_size)
         self.norm = KdaMoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.backend = config.kernel_backend
 
     def forward(self, partial: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
         """partial [B, T, d], blocks [N, B, T, d] or None -> [B, T, d]."""
@@ -1224,12 +1227,10 @@ class KdaMoeAttnRes(nn.Module):
         return self.mix(partial, blocks)
 
     def mix(self, partial: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        values = torch.cat([blocks, partial[None]], dim=0).float()  # [N + 1, B, T, d]
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
         with onloaded_weights(self.norm, self.proj):
-            query = self.norm.weight.float() * self.proj.weight[0].float()  # [d]
-        weights = torch.softmax(keys @ query, dim=0)  # [N + 1, B, T]
-        return (weights[..., None] * values).sum(0).to(partial.dtype)
+            # plain tensors here also where a parametrization computes a weight or an adapter wraps the module
+            norm_weight, query_weight = self.norm.weight, self.proj.weight[0]  # [d] each
+            return attn_res_mix(partial, blocks, norm_weight, query_weight, self.norm.variance_epsilon, self.backend)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -102,8 +102,8 @@ def test_kda_benchmark_decode_tables_time_the_fused_layer_step(tmp_path, monkeyp
 
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     """The interpreter accepts code the compiler rejects: compile every KDA kernel (chunked, decode, fused layer decode)
-    the MLA and MoE decode kernels, the projection kernel and the top-k router for sm_90 (no GPU needed) through
-    benchmarks/compile_report.py, in a process without the interpreter."""
+    the MLA and MoE decode kernels, the projection kernel, the top-k router and the AttnRes mix for sm_90 (no GPU
+    needed) through benchmarks/compile_report.py, in a process without the interpreter."""
     import subprocess
 
     from triton.runtime import driver
@@ -120,7 +120,7 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     assert kernels == {"_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel", "_wy_grads_kernel",
                        "_gate_grads_kernel", "_decode_kernel", "_fused_decode_kernel", "_mla_split_kernel",
                        "_mla_combine_kernel", "_moe_up_kernel", "_moe_down_kernel", "_projections_kernel",
-                       "_sigmoid_top_k_kernel"}, out.stdout
+                       "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel"}, out.stdout
     for name, warps, regs, stack, shared in rows:
         assert int(shared) <= 227 * 1024, (name, shared)  # the most shared memory one H100 / H200 block can have
 
@@ -276,3 +276,18 @@ def test_parallel_benchmark_refuses_unknown_layouts_and_models(tmp_path):
         parallel.main(tmp_path, model="tiny", layouts="single,dp")
     with pytest.raises(ValueError, match="model='k4'"):
         parallel.main(tmp_path, model="k4")
+
+
+def test_attn_res_benchmark_cpu_mode_writes_its_table(tmp_path):
+    """benchmarks/attn_res.py ``cpu``: tiny fp32 shapes, our kernels under the interpreter, no fla column; ours within
+    1e-5 of the fp32 reference in the output and every gradient."""
+    bench = load_benchmark("attn_res.py")
+    result = bench.main(str(tmp_path), cpu=True)
+
+    assert [(r["rows"], r["d"], r["blocks"]) for r in result["rows"]] == bench.CPU_SHAPES
+    for row in result["rows"]:
+        assert row["ours_rel_err_out"] < 1e-5 and row["ours_rel_err_grad"] < 1e-5
+        assert all(row[f"{side}_{p}_ms"] > 0 for side in ("ours", "torch_ref") for p in ("fwd", "fwdbwd"))
+        assert not any(key.startswith("fla") for key in row)
+    table = (tmp_path / "attn_res_bench.md").read_text()
+    assert "| 10 x 40, N=3 | fwdbwd |" in table and json.loads((tmp_path / "attn_res_bench.json").read_text())["rows"]
