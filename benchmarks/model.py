@@ -1,6 +1,7 @@
 """End to end on the GPU: our KdaMoeForCausalLM against transformers' KimiLinearForCausalLM with fla's kernels, both
 holding the same weights and timed in one run: a training step (forward, backward, AdamW), a long prefill and batched
-decoding through ``generate()``; tokens/s, peak memory and ratios.
+decoding through ``generate()``; tokens/s, peak memory and ratios. Training steps also time ours with the loss computed
+from the [tokens, vocab] logits (``config.fused_linear_cross_entropy=False``), as transformers computes it.
 
     python benchmarks/model.py OUTDIR [profile] [cases=train_step,prefill,generate]
                                                      (kda_moe importable; fla 0.6.0 for transformers' kernels)
@@ -161,13 +162,18 @@ def logits_errors(ours, references, vocab):
     return [((a - b).norm() / b.norm()).item() for b in bs]
 
 
+# training steps also time ours with its loss computed from the [tokens, vocab] logits, as transformers computes it
+LOGITS_LOSS_SIDE = "ours_logits_loss"
+
+
 def write_tables(res, out):
     """OUTDIR/model_bench.md and model_bench.json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}; {res['params'] / 1e6:.0f}M "
           f"parameters; fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}, against our PyTorch "
           f"backend: {res['logits_rel_err_torch_backend']:.1e}.", "",
-          "| case | transformers + fla | ours | ours / transformers (throughput) | peak GB: transformers / ours |",
-          "|---|---|---|---|---|"]
+          "| case | transformers + fla | ours | ours / transformers (throughput) | peak GB: transformers / ours | "
+          "ours, loss from the logits (peak GB) |",
+          "|---|---|---|---|---|---|"]
     for row in res["rows"]:
         key = "decode_tok_s" if row["case"] == "generate" else "tok_s"
         unit = "tokens/s decoded" if row["case"] == "generate" else "tokens/s"
@@ -175,7 +181,14 @@ def write_tables(res, out):
         cells = [f"{s[key]:,.0f} {unit}" if key in s else s.get("error", "-")[:80] for s in sides]
         ratio = f"{sides[1][key] / sides[0][key]:.2f}x" if all(key in s for s in sides) else "-"
         peaks = " / ".join(f"{s['peak_GB']:.1f}" if s.get("peak_GB") is not None else "-" for s in sides)
-        md.append(f"| {row['case']} {'x'.join(map(str, row['shape']))} | {cells[0]} | {cells[1]} | {ratio} | {peaks} |")
+        logits_loss, logits_cell = row.get(LOGITS_LOSS_SIDE, {}), "-"
+        if key in logits_loss:
+            peak = logits_loss.get("peak_GB")
+            logits_cell = f"{logits_loss[key]:,.0f} {unit}" + (f" ({peak:.1f})" if peak is not None else "")
+        elif "error" in logits_loss:
+            logits_cell = logits_loss["error"][:80]
+        md.append(f"| {row['case']} {'x'.join(map(str, row['shape']))} | {cells[0]} | {cells[1]} | {ratio} | {peaks} "
+                  f"| {logits_cell} |")  # fmt: skip
     text = "\n".join(md)
     open(os.path.join(out, "model_bench.md"), "w").write(text + "\n")
     json.dump(res, open(os.path.join(out, "model_bench.json"), "w"), indent=1)
@@ -211,7 +224,10 @@ def main(out, profile=False, kinds=None):
             continue
         row = dict(case=case, shape=list(shape))
         res["rows"].append(row)
-        for side, model in models.items():
+        sides = list(models.items()) + ([(LOGITS_LOSS_SIDE, models["ours"])] if case == "train_step" else [])
+        for side, model in sides:
+            if side != "theirs":  # ours computes the loss chunk by chunk, or (LOGITS_LOSS_SIDE) from the logits
+                model.config.fused_linear_cross_entropy = side != LOGITS_LOSS_SIDE
             log(f"{case} {shape} {side}: start")
             try:
                 row[side] = run_case(model, case, shape, config.vocab_size)

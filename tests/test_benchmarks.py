@@ -176,8 +176,11 @@ def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, tiny_mode
         for side in ("theirs", "ours"):
             assert "error" not in row[side], row[side]
             assert row[side]["decode_tok_s" if row["case"] == "generate" else "tok_s"] > 0
+    logits_loss = tiny_model_benchmark.LOGITS_LOSS_SIDE  # training also with ours' loss from the logits
+    assert [row["case"] for row in result["rows"] if logits_loss in row] == ["train_step"]
+    assert result["rows"][0][logits_loss]["tok_s"] > 0
     table = (tmp_path / "model_bench.md").read_text()
-    assert "| train_step 1x32 |" in table and "| generate 2x8x3 |" in table
+    assert "| train_step 1x32 |" in table and "| generate 2x8x3 |" in table and "loss from the logits" in table
 
 
 def test_model_benchmark_cut_short_keeps_the_sides_it_measured(tmp_path, tiny_model_benchmark, monkeypatch):
