@@ -80,6 +80,7 @@ def finish_strict_config(cls):
 try:
     import transformers.distributed.expert_parallel  # noqa: F401
 
+    EXPERT_TOKEN_DISPATCH = True  # `DistributedConfig(ep_size=N)` sends each token to its experts' ranks
     EXPERTS_TP_PLAN = {}
     EXPERTS_EP_PLAN = {
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
@@ -87,6 +88,7 @@ try:
         "layers.*.mlp.experts": "ep_dispatch_experts",
     }
 except ImportError:
+    EXPERT_TOKEN_DISPATCH = False  # experts split by a TP plan (`tp_size=N, enable_expert_parallel=True`)
     EXPERTS_TP_PLAN = {
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",

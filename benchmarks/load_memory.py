@@ -21,7 +21,6 @@ weights).
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -83,7 +82,9 @@ def write_checkpoint(folder: Path, size_mb: float) -> int:
 
 def parallel_layout() -> dict:
     """The `DistributedConfig` arguments of the `tp2` load: TP for the dense modules, EP for the experts (5.19+)."""
-    if importlib.util.find_spec("transformers.distributed.expert_parallel") is not None:
+    from kda_moe.compat import EXPERT_TOKEN_DISPATCH
+
+    if EXPERT_TOKEN_DISPATCH:
         return dict(tp_size=WORLD_SIZE, ep_size=WORLD_SIZE)
     return dict(tp_size=WORLD_SIZE)
 

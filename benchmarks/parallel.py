@@ -76,10 +76,6 @@ def save_checkpoint(name: str, folder: Path, experts: int) -> None:
         KdaMoeForCausalLM(model_config(name, experts)).save_pretrained(folder)
 
 
-def has_token_dispatch() -> bool:
-    return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
-
-
 def load(folder: Path, layout: str, world: int, device: torch.device, dtype: torch.dtype):
     """(model on `device` in training mode laid out as `layout`, the context-parallel group or None)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,13 +83,14 @@ def load(folder: Path, layout: str, world: int, device: torch.device, dtype: tor
     from transformers.distributed import DistributedConfig
 
     from kda_moe import KdaMoeForCausalLM
+    from kda_moe.compat import EXPERT_TOKEN_DISPATCH
     from kda_moe.distributed import context_parallel
 
     if layout in ("tp", "ep"):
         if layout == "tp":
             options = dict(tp_size=world)
         else:
-            options = dict(ep_size=world, tp_plan={}) if has_token_dispatch() else dict(tp_size=world, enable_expert_parallel=True)
+            options = dict(ep_size=world, tp_plan={}) if EXPERT_TOKEN_DISPATCH else dict(tp_size=world, enable_expert_parallel=True)
         model = KdaMoeForCausalLM.from_pretrained(folder, dtype=dtype, distributed_config=DistributedConfig(**options))
         return model.train(), None
     model = KdaMoeForCausalLM.from_pretrained(folder, dtype=dtype).to(device).train()
@@ -113,7 +110,7 @@ def load(folder: Path, layout: str, world: int, device: torch.device, dtype: tor
     return context_parallel(model, mesh), mesh.get_group("cp")
 
 
-def training_step(model, layout: str, tokens: int, vocab_size: int, world: int, cp_group, device):
+def training_step(model, layout: str, tokens: int, world: int, cp_group, device):
     """A closure running one training step of `layout` and the distinct tokens it trains on."""
     from kda_moe.distributed import shard_batch
 
@@ -121,7 +118,7 @@ def training_step(model, layout: str, tokens: int, vocab_size: int, world: int, 
     rows_of_world = {"fsdp2": world, "cp": 1, "fsdp_x_cp": world // 2}.get(layout, 1)
     row_length = tokens * (dist.get_world_size(cp_group) if cp_group is not None else 1)
     generator = torch.Generator().manual_seed(0)
-    rows = torch.randint(3, vocab_size, (rows_of_world, row_length), generator=generator)
+    rows = torch.randint(3, model.config.vocab_size, (rows_of_world, row_length), generator=generator)
     row = {"fsdp2": rank, "fsdp_x_cp": rank // 2}.get(layout, 0)  # fsdp_x_cp: the mesh's dp index
     input_ids = rows[row : row + 1]
     batch = {"input_ids": input_ids, "labels": input_ids}
@@ -176,7 +173,7 @@ def peak_memory(device, together: bool) -> float | None:
     return peak.item()
 
 
-def run_layout(folder, layout, world, tokens, steps, device, dtype, vocab_size) -> dict:
+def run_layout(folder, layout, world, tokens, steps, device, dtype) -> dict:
     """{s, tok_s, peak_GB} of `layout`, on every rank. `single` runs on rank 0 while the other ranks wait."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -185,7 +182,7 @@ def run_layout(folder, layout, world, tokens, steps, device, dtype, vocab_size) 
     result = None
     if together or dist.get_rank() == 0:
         model, cp_group = load(folder, layout, world, device, dtype)
-        step, distinct = training_step(model, layout, tokens, vocab_size, world, cp_group, device)
+        step, distinct = training_step(model, layout, tokens, world, cp_group, device)
         seconds = timed(step, steps, device, together)
         result = dict(s=seconds, tok_s=distinct / seconds, peak_GB=peak_memory(device, together))
         del model, step
@@ -196,7 +193,7 @@ def run_layout(folder, layout, world, tokens, steps, device, dtype, vocab_size) 
 
 def table(results: dict, world: int) -> str:
     single = results.get("single", {}).get("tok_s")
-    lines = [f"| layout | GPUs | tokens/s | step s | peak GB per GPU | scaling efficiency vs 1 GPU |", "|---|---|---|---|---|---|"]
+    lines = ["| layout | GPUs | tokens/s | step s | peak GB per GPU | scaling efficiency vs 1 GPU |", "|---|---|---|---|---|---|"]
     for layout, r in results.items():
         gpus = 1 if layout == "single" else world
         efficiency = f"{r['tok_s'] / (gpus * single):.2f}" if single else "n/a"
@@ -220,22 +217,17 @@ def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, e
         raise ValueError(f"fsdp_x_cp needs an even number of ranks, got {world}.")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    import kda_moe  # noqa: F401  (registers the Auto classes)
-
     out = Path(out)
     folder = out / "checkpoint"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         save_checkpoint(model, folder, experts)
     dist.barrier()
-    from kda_moe import KdaMoeTextConfig
-
-    vocab_size = KdaMoeTextConfig.from_pretrained(folder).vocab_size
     results = {}
     for layout in layouts:
         if rank == 0:
             print(f"{layout}: start", flush=True)
-        results[layout] = run_layout(folder, layout, world, tokens, steps, device, dtype, vocab_size)
+        results[layout] = run_layout(folder, layout, world, tokens, steps, device, dtype)
         if rank == 0:
             header = f"{world} ranks, {'GPU: ' + torch.cuda.get_device_name() if cuda else 'CPU (gloo)'}; model {model}"
             (out / "parallel.json").write_text(json.dumps(dict(world=world, model=model, tokens=tokens, results=results), indent=2))

@@ -25,7 +25,6 @@ single-process biases, where the batch is split (FSDP) the pooled-histogram esti
 After one optimizer step, the second step's loss equals the single-process one.
 """
 
-import importlib.util
 import os
 import re
 from collections.abc import Callable
@@ -41,16 +40,11 @@ import torch.multiprocessing as mp
 from conftest import tiny_config
 from multimodal_testing import tiny_multimodal_model
 
-from kda_moe.compat import FSDP_WITH_TENSOR_PARALLEL
+from kda_moe.compat import EXPERT_TOKEN_DISPATCH, FSDP_WITH_TENSOR_PARALLEL
 
 BATCH_ROWS = 4
 VOCAB_SIZE = 98  # transformers 5.17 wants the gathered lm_head output to split evenly
 LINEAR_NUM_HEADS = 4  # `b_proj` has a row per KDA head: one for each rank of the 2 x 2 FSDP x TP mesh
-
-
-def has_token_dispatch():
-    """transformers 5.19+ (`transformers.distributed.expert_parallel`) sends tokens to the experts' ranks."""
-    return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
 
 
 class Layout(NamedTuple):
@@ -99,13 +93,13 @@ def fsdp_over_tensor_parallel_by_hand(model_class, folder):
 
 def layouts():
     """Layout name -> how it loads, over how many ranks, in how many parts they split the batch."""
-    expert_parallel = dict(ep_size=2, tp_plan={}) if has_token_dispatch() else dict(tp_size=2, enable_expert_parallel=True)
+    expert_parallel = dict(ep_size=2, tp_plan={}) if EXPERT_TOKEN_DISPATCH else dict(tp_size=2, enable_expert_parallel=True)
     chosen = {
         "fsdp2": Layout(fsdp2, ranks=2, batch_parts=2),
         "tp": Layout(with_distributed_config(tp_size=2), ranks=2, batch_parts=1),
         "ep": Layout(with_distributed_config(**expert_parallel), ranks=2, batch_parts=1),
     }
-    if has_token_dispatch():
+    if EXPERT_TOKEN_DISPATCH:
         chosen["fsdp_x_ep"] = Layout(with_distributed_config(fsdp_size=2, ep_size=2), ranks=2, batch_parts=2)
     if FSDP_WITH_TENSOR_PARALLEL:
         chosen["fsdp_x_tp"] = Layout(with_distributed_config(fsdp_size=2, tp_size=2), ranks=4, batch_parts=2)
