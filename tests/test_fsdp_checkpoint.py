@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_config
+from test_parallel_layouts import gloo_rank
 
 WORLD_SIZE = 2
 
@@ -54,11 +55,7 @@ def worker(rank, tmpdir):
 
     from kda_moe import KdaMoeForCausalLM
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {}
+    with gloo_rank(rank, tmpdir, WORLD_SIZE) as results:
         model, optimizer = sharded(f"{tmpdir}/model")
         train_step(model, optimizer, 0)
         model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded: each rank writes its shards
@@ -81,10 +78,6 @@ def worker(rank, tmpdir):
                 export = KdaMoeForCausalLM(resumed.config)
             export.load_state_dict(state, assign=True)
             export.save_pretrained(f"{tmpdir}/consolidated")
-        torch.save(results, f"{tmpdir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
