@@ -108,6 +108,13 @@ FSDP_WITH_TENSOR_PARALLEL = hasattr(
     importlib.import_module("transformers.distributed.utils"), "initialize_distributed_mesh"
 )
 
+# transformers 5.18+ also lays out HSDP from one `DistributedConfig(dp_replicate_size=R, fsdp_size=F)`: FSDP2 over an
+# (R, F) mesh, parameters sharded within a replica; 5.17 knows no replicate axis (HSDP by hand: `fully_shard` over a
+# 2-D mesh).
+HSDP_IN_DISTRIBUTED_CONFIG = "dp_replicate_size" in {
+    field.name for field in _dataclass_fields(importlib.import_module("transformers.distributed").DistributedConfig)
+}
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Modeling: cache argument / output names, linear-attention cache states, logits slicing

@@ -13,6 +13,8 @@ One training step = forward with labels, backward, AdamW step, on random tokens.
   >= 5.19; before that `tp_size=N, enable_expert_parallel=True`), every rank the same row.
 - ``cp``: one row of N x `tokens` tokens split over the ranks (`kda_moe.distributed.context_parallel`), gradients
   summed over the ranks.
+- ``hsdp``: a (replicate, shard) = (N / 2, 2) mesh: FSDP2 shards within each pair of ranks and replicates across the
+  pairs (gradients reduce-scattered in a pair, all-reduced across pairs); each rank its own row.
 - ``fsdp_x_cp``: a (dp, cp) = (N / 2, 2) mesh: FSDP2 over all ranks, each pair of ranks one row of 2 x `tokens` split.
 
 Every rank holds `tokens` tokens of activations in every layout (tp / ep: the same ones). Throughput counts the
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ("single", "fsdp2", "tp", "ep", "cp", "fsdp_x_cp")
+LAYOUTS = ("single", "fsdp2", "hsdp", "tp", "ep", "cp", "fsdp_x_cp")
 MODELS = ("anchor", "k3_layer", "tiny")
 
 
@@ -99,13 +101,17 @@ def load(folder: Path, layout: str, world: int, device: torch.device, dtype: tor
         return model, None
     if layout == "cp":
         return context_parallel(model, dist.group.WORLD), dist.group.WORLD
-    mesh = init_device_mesh(device.type, (world // 2, 2) if layout == "fsdp_x_cp" else (world,),
-                            mesh_dim_names=("dp", "cp") if layout == "fsdp_x_cp" else ("dp",))  # fmt: skip
-    everyone = mesh._flatten("dp_cp") if layout == "fsdp_x_cp" else mesh
+    if layout == "fsdp_x_cp":
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "cp"))
+        shard_over = mesh._flatten("dp_cp")
+    elif layout == "hsdp":
+        shard_over = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        shard_over = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=everyone)
-    fully_shard(model, mesh=everyone)
-    if layout == "fsdp2":
+        fully_shard(layer, mesh=shard_over)
+    fully_shard(model, mesh=shard_over)
+    if layout != "fsdp_x_cp":
         return model, None
     return context_parallel(model, mesh), mesh.get_group("cp")
 
@@ -115,11 +121,11 @@ def training_step(model, layout: str, tokens: int, world: int, cp_group, device)
     from kda_moe.distributed import shard_batch
 
     rank = dist.get_rank()
-    rows_of_world = {"fsdp2": world, "cp": 1, "fsdp_x_cp": world // 2}.get(layout, 1)
+    rows_of_world = {"fsdp2": world, "hsdp": world, "cp": 1, "fsdp_x_cp": world // 2}.get(layout, 1)
     row_length = tokens * (dist.get_world_size(cp_group) if cp_group is not None else 1)
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(3, model.config.vocab_size, (rows_of_world, row_length), generator=generator)
-    row = {"fsdp2": rank, "fsdp_x_cp": rank // 2}.get(layout, 0)  # fsdp_x_cp: the mesh's dp index
+    row = {"fsdp2": rank, "hsdp": rank, "fsdp_x_cp": rank // 2}.get(layout, 0)  # fsdp_x_cp: the mesh's dp index
     input_ids = rows[row : row + 1]
     batch = {"input_ids": input_ids, "labels": input_ids}
     if cp_group is not None:
@@ -213,8 +219,8 @@ def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, e
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if "fsdp_x_cp" in layouts and world % 2:
-        raise ValueError(f"fsdp_x_cp needs an even number of ranks, got {world}.")
+    if (paired := [layout for layout in layouts if layout in ("hsdp", "fsdp_x_cp")]) and world % 2:
+        raise ValueError(f"{', '.join(paired)} pair the ranks: they need an even number of ranks, got {world}.")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     out = Path(out)

@@ -251,8 +251,8 @@ def test_ncu_lines_charges_each_instructions_stall_samples_to_its_source_line():
 
 def test_parallel_benchmark_times_every_layout_on_two_gloo_ranks(tmp_path):
     """benchmarks/parallel.py under torchrun on 2 CPU ranks (gloo), the tiny model: every layout trains, counts the
-    distinct tokens of its step (tp / ep: the ranks share a row; fsdp2, cp, fsdp_x_cp: 2 rows' worth) and is compared
-    with the single rank's throughput."""
+    distinct tokens of its step (tp / ep: the ranks share a row; fsdp2, hsdp, cp, fsdp_x_cp: 2 rows' worth) and is
+    compared with the single rank's throughput."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -264,8 +264,8 @@ def test_parallel_benchmark_times_every_layout_on_two_gloo_ranks(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "parallel.json").read_text())
     results = report["results"]
-    assert report["world"] == 2 and list(results) == ["single", "fsdp2", "tp", "ep", "cp", "fsdp_x_cp"]
-    tokens = {"single": 32, "fsdp2": 64, "tp": 32, "ep": 32, "cp": 64, "fsdp_x_cp": 64}
+    assert report["world"] == 2 and list(results) == ["single", "fsdp2", "hsdp", "tp", "ep", "cp", "fsdp_x_cp"]
+    tokens = {"single": 32, "fsdp2": 64, "hsdp": 64, "tp": 32, "ep": 32, "cp": 64, "fsdp_x_cp": 64}
     for layout, result in results.items():
         assert result["s"] > 0 and result["tok_s"] * result["s"] == pytest.approx(tokens[layout]), layout
         gpus = 1 if layout == "single" else 2

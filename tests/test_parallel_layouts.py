@@ -9,6 +9,9 @@ batch.
   transformers 5.19 (`DistributedConfig(ep_size=2, tp_plan={})`), by masked routes and an all-reduce before
   (`DistributedConfig(tp_size=2, enable_expert_parallel=True)`).
 - FSDP x EP (5.19+): `DistributedConfig(fsdp_size=2, ep_size=2)`, each rank holding half of the batch.
+- HSDP over 4 ranks, parameters sharded within each pair and replicated across the pairs, every rank holding a
+  quarter of the batch: `DistributedConfig(dp_replicate_size=2, fsdp_size=2)` from transformers 5.18, `fully_shard`
+  over a (replicate, shard) mesh by hand on 5.17.
 - FSDP x TP over 4 ranks, a (fsdp 2, tp 2) mesh whose two tensor-parallel pairs each hold half of the batch:
   `DistributedConfig(fsdp_size=2, tp_size=2)` from transformers 5.18. 5.17 would lay out the tensor-parallel plan
   alone from such a config, and the package refuses it there; the layout is built as that refusal tells users to:
@@ -40,7 +43,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_config
 from multimodal_testing import tiny_multimodal_model
 
-from kda_moe.compat import EXPERT_TOKEN_DISPATCH, FSDP_WITH_TENSOR_PARALLEL
+from kda_moe.compat import EXPERT_TOKEN_DISPATCH, FSDP_WITH_TENSOR_PARALLEL, HSDP_IN_DISTRIBUTED_CONFIG
 
 BATCH_ROWS = 4
 VOCAB_SIZE = 98  # transformers 5.17 wants the gathered lm_head output to split evenly
@@ -91,6 +94,15 @@ def fsdp_over_tensor_parallel_by_hand(model_class, folder):
     return fully_shard_layers(model, mesh["fsdp"])
 
 
+def hsdp_by_hand(model_class, folder):
+    """HSDP where a DistributedConfig has no replicate axis (5.17): FSDP2 over a (replicate, shard) mesh; every rank
+    holds other tokens, so balancing pools over all of them (the default group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return fully_shard_layers(model_class.from_pretrained(folder), mesh)
+
+
 def layouts():
     """Layout name -> how it loads, over how many ranks, in how many parts they split the batch."""
     expert_parallel = dict(ep_size=2, tp_plan={}) if EXPERT_TOKEN_DISPATCH else dict(tp_size=2, enable_expert_parallel=True)
@@ -105,6 +117,10 @@ def layouts():
         chosen["fsdp_x_tp"] = Layout(with_distributed_config(fsdp_size=2, tp_size=2), ranks=4, batch_parts=2)
     else:
         chosen["fsdp_x_tp"] = Layout(fsdp_over_tensor_parallel_by_hand, ranks=4, batch_parts=2)
+    if HSDP_IN_DISTRIBUTED_CONFIG:
+        chosen["hsdp"] = Layout(with_distributed_config(dp_replicate_size=2, fsdp_size=2), ranks=4, batch_parts=4)
+    else:
+        chosen["hsdp"] = Layout(hsdp_by_hand, ranks=4, batch_parts=4)
     return chosen
 
 
