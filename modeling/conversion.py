@@ -68,7 +68,10 @@ checkpoint of ours also goes through them; their reverse reads the layout being 
 place (`checkpoint_layout`).
 """
 
+import math
+
 import torch
+import transformers
 from transformers.conversion_mapping import get_model_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -255,7 +258,9 @@ class DequantizeMxfp4(ConversionOps):
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, config=None, model=None, full_layer_name=None, **kwargs):
         compressor, scheme = mxfp4_codec(getattr(config, "routed_expert_quantization", None))
-        dtype = model.get_parameter(full_layer_name).dtype  # the loader keeps a converter's output dtype
+        parameter = model.get_parameter(full_layer_name)
+        check_whole_scale_groups(parameter, full_layer_name, scheme.weights.group_size)
+        dtype = parameter.dtype  # the loader keeps a converter's output dtype
         dequantized = {}
         for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
             # The loader casts every checkpoint tensor to the parameter's float dtype; bytes are integers < 256, which
@@ -265,6 +270,33 @@ class DequantizeMxfp4(ConversionOps):
                 for packed, scale in zip(input_dict[packed_pattern], input_dict[scale_pattern])
             ]  # fmt: skip
         return dequantized
+
+
+def check_whole_scale_groups(parameter: torch.Tensor, name: str, group_size: int) -> None:
+    """Refuse an expert parameter sharded inside its scale groups, before its mxfp4 weights are decoded.
+
+    The loader hands each rank its slice of the stored `weight_packed` / `weight_scale` before `DequantizeMxfp4` runs,
+    so a parameter sharded along its input features (the last dim; transformers <= 5.18's tensor-parallel plan splits
+    `down_proj`'s intermediate dim) must leave every rank whole groups of `group_size` weights."""
+    if not hasattr(parameter, "placements"):  # a whole tensor on every rank
+        return
+    last = parameter.ndim - 1
+    pieces = math.prod(
+        parameter.device_mesh.size(mesh_dim)
+        for mesh_dim, placement in enumerate(parameter.placements)
+        if getattr(placement, "dim", None) in (last, -1)
+    )
+    features = parameter.shape[last]
+    if features % (pieces * group_size):
+        raise ValueError(
+            f"`{name}` splits its {features} input features over {pieces} ranks ({features / pieces:g} a rank), but the "
+            f"checkpoint stores the routed experts mxfp4 with one scale per {group_size} weights, and transformers "
+            f"{transformers.__version__} hands every rank its slice of the packed weights before they are decoded: "
+            f"each rank needs a multiple of {group_size}. Use a tensor-parallel size that divides "
+            f"{features // group_size} ({features} / {group_size}), place the experts whole with expert parallelism "
+            "(`enable_expert_parallel=True`), or install transformers >= 5.19, whose tensor-parallel plan keeps every "
+            "expert whole."
+        )
 
 
 def require_compressed_tensors() -> None:

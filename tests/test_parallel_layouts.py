@@ -190,15 +190,16 @@ def logits_and_parameters(model):
 PUBLISHED_LAYOUTS = ("kimi_linear", "kimi_k3")
 
 
-def save_published_layout(folder, layout):
+def save_published_layout(folder, layout, moe_intermediate_size=64):
     """A tiny model that `layout` can express, with 4 KDA heads (2 a rank), saved in `layout`; K3's routed experts
-    packed mxfp4 (32 weights a scale: expert matrices 32 wide, also each TP rank's half)."""
+    packed mxfp4 (32 weights a scale: expert matrices 32 wide, also each TP rank's half where
+    `moe_intermediate_size` is 64)."""
     from kda_moe import KdaMoeForCausalLM
     from kda_moe.configuration.configuration_kda_moe import KIMI_LINEAR_DEFAULTS
 
     torch.manual_seed(0)
     if layout == "kimi_k3":
-        text = dict(linear_num_heads=4, routed_expert_hidden_size=32, moe_intermediate_size=64)
+        text = dict(linear_num_heads=4, routed_expert_hidden_size=32, moe_intermediate_size=moe_intermediate_size)
         tiny_multimodal_model(text_config=text).save_pretrained(folder, layout=layout, quantize_experts="mxfp4")
         return
     model = KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE, linear_num_heads=4, **KIMI_LINEAR_DEFAULTS))
@@ -273,6 +274,7 @@ def layouts_worker(rank, tmpdir, world_size, folders):
                 results[f"{published}_tp"] = logits_and_kda_tensors(model)
                 model = load_published(folder, published, distributed_config=DistributedConfig(fsdp_size=2))
                 results[f"{published}_fsdp"] = logits_and_parameters(model)
+            results["narrow_experts_tp"] = tensor_parallel_load_report(f"{folders}/kimi_k3_narrow_experts")
         if world_size == 4:
             fsdp_x_tp = layouts()["fsdp_x_tp"].load
             model = fsdp_x_tp(KdaMoeForCausalLM, f"{folders}/kimi_linear")
@@ -284,9 +286,25 @@ def layouts_worker(rank, tmpdir, world_size, folders):
                     results["refusal"] = str(refusal)
 
 
+def tensor_parallel_load_report(folder):
+    """"loaded", or what transformers logged before it refused to load the K3 `folder` over 2 tensor-parallel ranks."""
+    from transformers.distributed import DistributedConfig
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    refused = False
+    with CaptureLogger(logging.get_logger("transformers")) as log:
+        try:
+            load_published(folder, "kimi_k3", distributed_config=DistributedConfig(tp_size=2))
+        except RuntimeError:
+            refused = True
+    return log.out if refused else "loaded"
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """`model`, which every layout trains; `two_heads`, the same with 2 KDA heads; the published layouts."""
+    """`model`, which every layout trains; `two_heads`, the same with 2 KDA heads; the published layouts, and K3's
+    with experts 32 wide (one mxfp4 scale group a row)."""
     from kda_moe import KdaMoeForCausalLM
 
     folder = tmp_path_factory.mktemp("models")
@@ -295,6 +313,7 @@ def folders(tmp_path_factory):
         KdaMoeForCausalLM(tiny_config(vocab_size=VOCAB_SIZE, linear_num_heads=heads)).save_pretrained(folder / name)
     for layout in PUBLISHED_LAYOUTS:
         save_published_layout(folder / layout, layout)
+    save_published_layout(folder / "kimi_k3_narrow_experts", "kimi_k3", moe_intermediate_size=32)
     return folder
 
 
@@ -497,3 +516,17 @@ def test_accelerate_fsdp2_config_shards_every_decoder_layer():
     assert fsdp["fsdp_transformer_layer_cls_to_wrap"] in KdaMoeForCausalLM._no_split_modules
     assert fsdp["fsdp_activation_checkpointing"] and fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     assert config.mixed_precision == "bf16"
+
+
+def test_tensor_parallel_split_of_mxfp4_experts_inside_their_scale_groups_is_refused_with_the_fix(runs):
+    """K3 experts 32 wide over 2 tensor-parallel ranks: up to transformers 5.18 the plan splits `down_proj`'s 32 input
+    features into 16 a rank, half an mxfp4 scale group, and the load stops with what to change; from 5.19 every expert
+    stays whole and it loads."""
+    per_world, _ = runs
+    reports = [run["narrow_experts_tp"] for run in per_world[2]]
+    if EXPERT_TOKEN_DISPATCH:
+        assert reports == ["loaded", "loaded"]
+        return
+    for report in reports:
+        assert "down_proj` splits its 32 input features over 2 ranks (16 a rank)" in report, report[-3000:]
+        assert "one scale per 32 weights" in report and "enable_expert_parallel=True" in report
