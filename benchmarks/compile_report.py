@@ -54,8 +54,9 @@ class _Sm90Driver:
 
 
 def compile_all(dtype, forward_fields, backward_fields):
-    """Run the forward and backward launch code and both decode steps for both gates, the MLA decode attention and
-    the MoE decode at 1 and 64 tokens; return {kernel name: [compiled kernels]}."""
+    """Run the forward and backward launch code and both decode steps for both gates, the MLA decode attention, the
+    MoE decode at 1 and 64 tokens and the other kernels (projections, routing, AttnRes, grouped experts); return
+    {kernel name: [compiled kernels]}."""
     driver.set_active(_Sm90Driver())
     compiled = {}
     launch = JITFunction.run
@@ -103,6 +104,7 @@ def compile_all(dtype, forward_fields, backward_fields):
         compile_projections(dtype)
         compile_routing()
         compile_attn_res(dtype)
+        compile_grouped_experts(dtype)
     finally:
         JITFunction.run = launch
     return compiled
@@ -149,6 +151,17 @@ def compile_attn_res(dtype):
         partial, stored, weight = torch.zeros(8, d, dtype=dtype), torch.zeros(blocks, 8, d, dtype=dtype), torch.zeros(d)
         _, weights, rstd = mix_kernel._mix_fwd(partial, stored, weight, weight, 1e-6)
         mix_kernel.attn_res_mix_bwd_op(partial, stored, weight, weight, weights, rstd, partial)
+
+
+def compile_grouped_experts(dtype):
+    """The grouped experts' weighted-activation kernels, forward and backward, at the anchor config's expert width
+    (I = 512) and K3's (2048), SiTU-GLU with both caps, on 64 pair rows."""
+    from kda_moe.kernels.moe import grouped
+
+    for intermediate in (512, 2048):
+        gate_up, weights = torch.zeros(64, 2 * intermediate, dtype=dtype), torch.zeros(64, dtype=dtype)
+        grouped._weighted_glu(gate_up, weights, True, 4.0, 25.0)
+        grouped.weighted_glu_bwd_op(gate_up, weights, torch.zeros(64, intermediate, dtype=dtype), True, 4.0, 25.0)
 
 
 def main():

@@ -1,7 +1,9 @@
 """End to end on the GPU: our KdaMoeForCausalLM against transformers' KimiLinearForCausalLM with fla's kernels, both
 holding the same weights and timed in one run: a training step (forward, backward, AdamW), a long prefill and batched
-decoding through ``generate()``; tokens/s, peak memory and ratios. Training steps also time ours with the loss computed
-from the [tokens, vocab] logits (``config.fused_linear_cross_entropy=False``), as transformers computes it.
+decoding through ``generate()``; tokens/s, peak memory and ratios. Some cases also time variants of ours in the same run
+(``VARIANTS``): training with the loss computed from the [tokens, vocab] logits (``config.fused_linear_cross_entropy=
+False``), as transformers computes it, and training and prefill with the routed experts through transformers'
+grouped_mm instead of our grouped kernels.
 
     python benchmarks/model.py OUTDIR [profile] [cases=train_step,prefill,generate]
                                                      (kda_moe importable; fla 0.6.0 for transformers' kernels)
@@ -162,8 +164,30 @@ def logits_errors(ours, references, vocab):
     return [((a - b).norm() / b.norm()).item() for b in bs]
 
 
-# training steps also time ours with its loss computed from the [tokens, vocab] logits, as transformers computes it
-LOGITS_LOSS_SIDE = "ours_logits_loss"
+# Variants of ours timed beside it, A / B in one run: side name -> (the cases that time it, its table column)
+VARIANTS = {
+    "ours_logits_loss": (("train_step",), "ours, loss from the logits"),
+    "ours_transformers_experts": (("train_step", "prefill"), "ours, transformers' grouped_mm experts"),
+}
+
+
+def set_up_side(model, side):
+    """Ours as `side`: itself, or one of `VARIANTS` (the loss from the logits, as transformers computes it; the
+    routed experts on transformers' grouped_mm, their modules on the PyTorch backend, the rest on our kernels)."""
+    from kda_moe.modeling.modeling_kda_moe import KdaMoeExperts
+
+    model.config.fused_linear_cross_entropy = side != "ours_logits_loss"
+    for module in model.modules():
+        if isinstance(module, KdaMoeExperts):
+            module.backend = "torch" if side == "ours_transformers_experts" else model.config.kernel_backend
+
+
+def cell(result, key, unit):
+    """A table cell: the throughput (peak GB), the error's start, or "-"."""
+    if key in result:
+        peak = result.get("peak_GB")
+        return f"{result[key]:,.0f} {unit}" + (f" ({peak:.1f})" if peak is not None else "")
+    return result["error"][:80] if "error" in result else "-"
 
 
 def write_tables(res, out):
@@ -172,8 +196,8 @@ def write_tables(res, out):
           f"parameters; fp32 logits, ours against transformers': {res['logits_rel_err']:.1e}, against our PyTorch "
           f"backend: {res['logits_rel_err_torch_backend']:.1e}.", "",
           "| case | transformers + fla | ours | ours / transformers (throughput) | peak GB: transformers / ours | "
-          "ours, loss from the logits (peak GB) |",
-          "|---|---|---|---|---|---|"]
+          + " | ".join(f"{column} (peak GB)" for _, column in VARIANTS.values()) + " |",
+          "|---|---|---|---|---|" + "---|" * len(VARIANTS)]
     for row in res["rows"]:
         key = "decode_tok_s" if row["case"] == "generate" else "tok_s"
         unit = "tokens/s decoded" if row["case"] == "generate" else "tokens/s"
@@ -181,14 +205,9 @@ def write_tables(res, out):
         cells = [f"{s[key]:,.0f} {unit}" if key in s else s.get("error", "-")[:80] for s in sides]
         ratio = f"{sides[1][key] / sides[0][key]:.2f}x" if all(key in s for s in sides) else "-"
         peaks = " / ".join(f"{s['peak_GB']:.1f}" if s.get("peak_GB") is not None else "-" for s in sides)
-        logits_loss, logits_cell = row.get(LOGITS_LOSS_SIDE, {}), "-"
-        if key in logits_loss:
-            peak = logits_loss.get("peak_GB")
-            logits_cell = f"{logits_loss[key]:,.0f} {unit}" + (f" ({peak:.1f})" if peak is not None else "")
-        elif "error" in logits_loss:
-            logits_cell = logits_loss["error"][:80]
+        variants = " | ".join(cell(row.get(side, {}), key, unit) for side in VARIANTS)
         md.append(f"| {row['case']} {'x'.join(map(str, row['shape']))} | {cells[0]} | {cells[1]} | {ratio} | {peaks} "
-                  f"| {logits_cell} |")  # fmt: skip
+                  f"| {variants} |")  # fmt: skip
     text = "\n".join(md)
     open(os.path.join(out, "model_bench.md"), "w").write(text + "\n")
     json.dump(res, open(os.path.join(out, "model_bench.json"), "w"), indent=1)
@@ -224,10 +243,10 @@ def main(out, profile=False, kinds=None):
             continue
         row = dict(case=case, shape=list(shape))
         res["rows"].append(row)
-        sides = list(models.items()) + ([(LOGITS_LOSS_SIDE, models["ours"])] if case == "train_step" else [])
-        for side, model in sides:
-            if side != "theirs":  # ours computes the loss chunk by chunk, or (LOGITS_LOSS_SIDE) from the logits
-                model.config.fused_linear_cross_entropy = side != LOGITS_LOSS_SIDE
+        variants = [(side, models["ours"]) for side, (cases, _) in VARIANTS.items() if case in cases]
+        for side, model in list(models.items()) + variants:
+            if side != "theirs":
+                set_up_side(model, side)
             log(f"{case} {shape} {side}: start")
             try:
                 row[side] = run_case(model, case, shape, config.vocab_size)

@@ -19,6 +19,7 @@ from functools import wraps
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.utils import parametrize
 from transformers import initialization as init
@@ -59,7 +60,7 @@ from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_att
 from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
-from ..kernels.moe import fits_decode_kernel, gated_activation, moe_decode, top_k_routing
+from ..kernels.moe import fits_decode_kernel, gated_activation, grouped_experts, moe_decode, top_k_routing
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -1066,21 +1067,26 @@ class KdaMoeRouter(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# transformers' implementations of plain fused weights, which compute what the decode kernel computes
+# transformers' implementations of plain fused weights, which compute what our expert kernels compute
 PLAIN_EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 
 
-def decode_few_tokens_with_kernel(experts_class: type[nn.Module]) -> type[nn.Module]:
+def with_expert_kernels(experts_class: type[nn.Module]) -> type[nn.Module]:
     """Class decorator over `@use_experts_implementation`: a call that `takes_decode_kernel` runs `moe_decode`'s
-    Triton kernel, any other `config.experts_implementation`'s forward. The choice is made inside the module call, so
-    hooks on the experts module (tensor / expert parallel plans, output recorders) run around either."""
+    Triton kernel, one that `takes_grouped_kernel` runs `grouped_experts`' Triton path, any other
+    `config.experts_implementation`'s forward. The choice is made inside the module call, so hooks on the experts
+    module (tensor / expert parallel plans, output recorders) run around either."""
     implementation_forward = experts_class.forward
 
     @wraps(implementation_forward)
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if not self.takes_decode_kernel(hidden_states):
+        if self.takes_decode_kernel(hidden_states):
+            expert_kernel = moe_decode
+        elif self.takes_grouped_kernel(hidden_states):
+            expert_kernel = grouped_experts
+        else:
             return implementation_forward(self, hidden_states, top_k_index, top_k_weights)
-        return moe_decode(
+        return expert_kernel(
             hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation=self.act_fn.kind,
             gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
         )
@@ -1089,14 +1095,16 @@ def decode_few_tokens_with_kernel(experts_class: type[nn.Module]) -> type[nn.Mod
     return experts_class
 
 
-@decode_few_tokens_with_kernel
+@with_expert_kernels
 @use_experts_implementation
 class KdaMoeExperts(nn.Module):
     """E routed experts stored fused: `gate_up_proj` [E, 2I, l] and `down_proj` [E, l, I] (l = expert width).
 
     `config.experts_implementation` picks this eager loop or transformers' batched / grouped GEMMs; all of them call
-    `_apply_gate`, so SiTU-GLU is used everywhere. Decoding (a few tokens, no autograd) on the Triton backend runs
-    `moe_decode` instead, one kernel that reads only the chosen experts' weights, each once (`takes_decode_kernel`).
+    `_apply_gate`, so SiTU-GLU is used everywhere. On the Triton backend two of our kernels take over: decoding (a few
+    tokens, no autograd) runs `moe_decode`, one kernel that reads only the chosen experts' weights, each once
+    (`takes_decode_kernel`); `"grouped_mm"` for more tokens, with autograd, runs `grouped_experts`, grouped GEMMs with
+    the activation and the routing weights in one kernel between them (`takes_grouped_kernel`).
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -1125,6 +1133,20 @@ class KdaMoeExperts(nn.Module):
             or self.gate_up_proj.shape[0] != self.num_experts
             or self.config._experts_implementation not in PLAIN_EXPERTS_IMPLEMENTATIONS
             or not fits_decode_kernel(hidden_states, *weights)  # at most MAX_DECODE_TOKENS tokens, matching dtypes
+        ):
+            return False
+        return resolve_backend(self.backend, hidden_states, *weights) == "triton"
+
+    def takes_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this call runs `grouped_experts`' Triton path: `config.experts_implementation == "grouped_mm"`,
+        weights that hold all E experts as plain tensors on every rank (not an expert-parallel shard, whose routes to
+        other ranks carry an id past its experts, nor tensor-parallel DTensors), and the kernel backend resolving to
+        Triton for these tensors."""
+        weights = (self.gate_up_proj, self.down_proj)
+        if (
+            self.config._experts_implementation != "grouped_mm"
+            or self.gate_up_proj.shape[0] != self.num_experts
+            or any(isinstance(weight, DTensor) for weight in weights)
         ):
             return False
         return resolve_backend(self.backend, hidden_states, *weights) == "triton"

@@ -102,8 +102,9 @@ def test_kda_benchmark_decode_tables_time_the_fused_layer_step(tmp_path, monkeyp
 
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     """The interpreter accepts code the compiler rejects: compile every KDA kernel (chunked, decode, fused layer decode)
-    the MLA and MoE decode kernels, the projection kernel, the top-k router and the AttnRes mix for sm_90 (no GPU
-    needed) through benchmarks/compile_report.py, in a process without the interpreter."""
+    the MLA and MoE decode kernels, the projection kernel, the top-k router, the AttnRes mix and the grouped experts'
+    weighted activation for sm_90 (no GPU needed) through benchmarks/compile_report.py, in a process without the
+    interpreter."""
     import subprocess
 
     from triton.runtime import driver
@@ -120,7 +121,8 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     assert kernels == {"_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel", "_wy_grads_kernel",
                        "_gate_grads_kernel", "_decode_kernel", "_fused_decode_kernel", "_mla_split_kernel",
                        "_mla_combine_kernel", "_moe_up_kernel", "_moe_down_kernel", "_projections_kernel",
-                       "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel"}, out.stdout
+                       "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel",
+                       "_weighted_glu_fwd_kernel", "_weighted_glu_bwd_kernel"}, out.stdout
     for name, warps, regs, stack, shared in rows:
         assert int(shared) <= 227 * 1024, (name, shared)  # the most shared memory one H100 / H200 block can have
 
@@ -176,11 +178,13 @@ def test_model_benchmark_times_both_models_on_one_checkpoint(tmp_path, tiny_mode
         for side in ("theirs", "ours"):
             assert "error" not in row[side], row[side]
             assert row[side]["decode_tok_s" if row["case"] == "generate" else "tok_s"] > 0
-    logits_loss = tiny_model_benchmark.LOGITS_LOSS_SIDE  # training also with ours' loss from the logits
-    assert [row["case"] for row in result["rows"] if logits_loss in row] == ["train_step"]
-    assert result["rows"][0][logits_loss]["tok_s"] > 0
+    # training also with ours' loss from the logits; training and prefill also with transformers' experts
+    timed_in = {side: [row["case"] for row in result["rows"] if side in row] for side in tiny_model_benchmark.VARIANTS}
+    assert timed_in == {"ours_logits_loss": ["train_step"], "ours_transformers_experts": ["train_step", "prefill"]}
+    assert all(row[side]["tok_s"] > 0 for row in result["rows"] for side in tiny_model_benchmark.VARIANTS if side in row)
     table = (tmp_path / "model_bench.md").read_text()
     assert "| train_step 1x32 |" in table and "| generate 2x8x3 |" in table and "loss from the logits" in table
+    assert "transformers' grouped_mm experts" in table
 
 
 def test_model_benchmark_cut_short_keeps_the_sides_it_measured(tmp_path, tiny_model_benchmark, monkeypatch):

@@ -1,5 +1,5 @@
-"""Routed experts: the router's top-k choice and the few-token decode entry point used by the model, and the gated
-activation the experts share with the dense MLP."""
+"""Routed experts: the router's top-k choice, the entry points the model calls for a few tokens (decoding) and for
+many (training, prefill), and the gated activation the experts share with the dense MLP."""
 
 import torch
 
@@ -9,6 +9,7 @@ from .reference import ACTIVATIONS, gated_activation, routed_experts, sigmoid_to
 
 if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
+    from .grouped import grouped_experts_triton
     from .routing import sigmoid_top_k_triton
 
 
@@ -68,6 +69,32 @@ def moe_decode(
     return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
 
 
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activation: str,
+    gate_cap: float,
+    up_cap: float | None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The routed experts of many tokens, with autograd: ``sum_j w_j down_j(act(gate_up_j(x)))`` per token.
+
+    Arguments as ``moe_decode``'s. The Triton path (``grouped.py``) sorts the (token, choice) pairs by expert, runs
+    one grouped GEMM per projection and the gated activation with the routing weights in one kernel, and sums each
+    token's pairs back in a fixed order; differentiable in the states, the routing weights and both weights. The
+    reference gathers the chosen experts' weights per token."""
+    _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    options = dict(gate_cap=gate_cap, up_cap=up_cap)
+    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) == "triton":
+        return grouped_experts_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                      kind=activation, **options)
+    return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
+
+
 def top_k_routing(
     router_logits: torch.Tensor,
     bias: torch.Tensor,
@@ -99,6 +126,7 @@ __all__ = [
     "MAX_DECODE_TOKENS",
     "fits_decode_kernel",
     "gated_activation",
+    "grouped_experts",
     "moe_decode",
     "routed_experts",
     "sigmoid_top_k",

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
+from .activation import gated_activation
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
 
 
@@ -50,31 +51,6 @@ def moe_decode_launch(tokens: int, hidden: int, intermediate: int) -> MoeDecodeL
         block_k=min(128 if rows <= 16 else 64, max(16, triton.next_power_of_2(max(hidden, intermediate)))),
         warps=4,
     )
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from exp (Triton's language has no tanh that its interpreter runs): (1 - e) / (1 + e) with
-    e = exp(-2|x|), which cannot overflow; below |x| = 0.1, where that difference cancels, its odd Taylor polynomial
-    (truncation error < 3e-10 relative)."""
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    a2 = a * a
-    taylor = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 - a2 * (17.0 / 315.0))))
-    t = tl.where(a < 0.1, taylor, (1.0 - e) / (1.0 + e))
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def gated_activation(gate, up, gate_cap, up_cap, SITU: tl.constexpr, UP_CAP: tl.constexpr):
-    """``reference.gated_activation`` on fp32 tiles: SiTU-GLU ``gate_cap * tanh(gate / gate_cap) * sigmoid(gate) *
-    up_cap * tanh(up / up_cap)`` (the up cap only if UP_CAP), else SwiGLU ``gate * sigmoid(gate) * up``."""
-    sigmoid = tl.sigmoid(gate)
-    if SITU:
-        gate = gate_cap * _tanh(gate / gate_cap)
-        if UP_CAP:
-            up = up_cap * _tanh(up / up_cap)
-    return gate * sigmoid * up
 
 
 @triton.jit
