@@ -25,6 +25,10 @@ from kda_moe.kernels.attn_res import attn_res_mix, mix_kernel  # noqa: E402
 from kda_moe.kernels.attn_res.reference import attn_res_mix as reference_mix  # noqa: E402
 
 dev = "cpu" if INTERPRETED else "cuda"
+# Comparisons through a softmax of large scores or a whole model amplify a GPU's few-ulp exp / rsqrt differences:
+# measured on an H100, 1.9e-5 for a mixer with random pseudo-queries and 1.8e-4 for the model's embedding gradient
+# (its KDA kernels read fp32 operands as tf32). The interpreter's numpy math stays under 1e-5.
+AMPLIFIED = 1e-5 if INTERPRETED else 1e-3
 EPS = 1e-6
 SHAPE = (2, 5)  # 10 token rows: not a multiple of the 4-row blocks
 # d = 40 in three slices (the last one partial), 10 rows in two backward programs
@@ -154,9 +158,9 @@ def test_parametrized_weights_reach_the_kernel_as_tensors():
         original = mixer.norm.parametrizations.weight.original
         results.append((out, original.grad.clone(), mixer.proj.weight.grad.clone()))
     expected = reference_mix(partial, blocks, 2 * norm_weight, query_weight, mixer.norm.variance_epsilon)
-    assert rel(results[0][0], expected) < 1e-5
+    assert rel(results[0][0], expected) < AMPLIFIED
     for a, b in zip(*results):
-        assert rel(a, b) < 1e-5
+        assert rel(a, b) < AMPLIFIED
 
 
 def test_model_loss_and_gradients_are_the_same_with_the_triton_mix():
@@ -178,9 +182,9 @@ def test_model_loss_and_gradients_are_the_same_with_the_triton_mix():
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (loss, grads), (expected_loss, expected_grads) = results
-    assert rel(loss, expected_loss) < 1e-5 and grads.keys() == expected_grads.keys()
+    assert rel(loss, expected_loss) < AMPLIFIED and grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
-        assert rel(grad, expected_grads[name]) < 1e-5, (name, rel(grad, expected_grads[name]))
+        assert rel(grad, expected_grads[name]) < AMPLIFIED, (name, rel(grad, expected_grads[name]))
 
 
 def test_torch_compile_traces_the_mix_as_one_op_with_its_backward():

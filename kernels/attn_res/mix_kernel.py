@@ -43,7 +43,7 @@ def _load_source(blocks, partial, s, N, M, offsets, mask, D: tl.constexpr):
     """Source s at `offsets` of its [M, D] rows, in fp32: block s ([N, M, D]) for s < N, the partial sum for s == N.
     The two may differ in dtype (fp32 blocks and a bf16 partial sum under autocast)."""
     if s < N:
-        v = tl.load(blocks + s * M.to(tl.int64) * D + offsets, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(blocks + s * tl.cast(M, tl.int64) * D + offsets, mask=mask, other=0.0).to(tl.float32)
     else:
         v = tl.load(partial + offsets, mask=mask, other=0.0).to(tl.float32)
     return v
@@ -53,7 +53,8 @@ def _load_source(blocks, partial, s, N, M, offsets, mask, D: tl.constexpr):
 def _store_source(grad_blocks, grad_partial, s, N, M, offsets, value, mask, D: tl.constexpr):
     """Stores `value` as source s's gradient, each in its own dtype (the layout of `_load_source`)."""
     if s < N:
-        tl.store(grad_blocks + s * M.to(tl.int64) * D + offsets, value.to(grad_blocks.dtype.element_ty), mask=mask)
+        tl.store(grad_blocks + s * tl.cast(M, tl.int64) * D + offsets, value.to(grad_blocks.dtype.element_ty),
+                 mask=mask)
     else:
         tl.store(grad_partial + offsets, value.to(grad_partial.dtype.element_ty), mask=mask)
 
