@@ -38,6 +38,7 @@ ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu", "situ")
 ROUTER_BALANCING = ("quantile", "bias_sign", "none")
+ROUTER_BIAS_UPDATES = ("backward", "optimizer_step")
 GATE_LOWER_BOUND_MIN = -SAFE_LOWER_BOUND  # further down, the chunked KDA kernel's diagonal tiles leave the GEMMs
 
 # Kimi Linear semantics for the K3 features a Kimi Linear config does not mention.
@@ -70,6 +71,7 @@ K3_EXTRA_FIELDS = (
     "router_bias_update_rate",
     "router_balancing_bins",
     "router_balancing_iterations",
+    "router_bias_update",
 )
 # Keys of Kimi Linear / DeepSeek configs that are derived here or have no meaning for this model.
 DROPPED_KEYS = ("head_dim", "qk_head_dim", "num_key_value_heads", "pretraining_tp", "topk_method")
@@ -198,7 +200,10 @@ class KdaMoeTextConfig(PreTrainedConfig):
         routed_scaling_factor, moe_renormalize, n_group / topk_group (group-limited top-k),
         router_balancing (`"quantile"`, `"bias_sign"` or `"none"`), router_bias_update_rate (the gamma of
         `"bias_sign"`), router_balancing_bins (histogram bins of the data-parallel quantile estimate),
-        router_balancing_iterations (damped Quantile Balancing passes per training step on the step's batch).
+        router_balancing_iterations (damped Quantile Balancing passes per training step on the step's batch),
+        router_bias_update (when the new bias is applied: `"backward"`, once each training backward has gone through
+        the router; `"optimizer_step"`, at the next step of a torch optimizer, as the mean of the biases of the
+        micro-batches since the last one, so that every micro-batch of a gradient-accumulation step routes alike).
     Activation:
         hidden_act (`"situ"` = SiTU-GLU, `"silu"` = SwiGLU), activation_situ_beta (b1 > 0),
         activation_situ_linear_beta (b2 > 0 caps the up branch with `b2 * tanh(up / b2)`; `None` = no cap).
@@ -324,6 +329,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
     router_bias_update_rate: float | int = validated_field(non_negative, default=1e-3)
     router_balancing_bins: int = validated_field(at_least(2), default=1024)
     router_balancing_iterations: int = validated_field(at_least(1), default=8)
+    router_bias_update: str = validated_field(one_of(ROUTER_BIAS_UPDATES), default="backward")
 
     # activation
     hidden_act: str = validated_field(one_of(HIDDEN_ACTS), default="situ")

@@ -250,8 +250,10 @@ def build_model(config: RecipeConfig, tokenizer):
 
     from kda_moe import KdaMoeForCausalLM, KdaMoeTextConfig
 
+    # the expert biases move at optimizer steps only, so every micro-batch of a step routes as its rollout did
+    balancing = dict(router_bias_update="optimizer_step")
     if config.model:
-        model = AutoModelForCausalLM.from_pretrained(config.model)
+        model = AutoModelForCausalLM.from_pretrained(config.model, **balancing)
     else:
         torch.manual_seed(config.seed)
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -260,7 +262,7 @@ def build_model(config: RecipeConfig, tokenizer):
             q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_experts=8,
             num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, routed_expert_hidden_size=16,
         ) if config.scale_down else {}  # fmt: skip
-        model = KdaMoeForCausalLM(KdaMoeTextConfig(vocab_size=len(tokenizer), **ids, **sizes))
+        model = KdaMoeForCausalLM(KdaMoeTextConfig(vocab_size=len(tokenizer), **ids, **sizes, **balancing))
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return model
 

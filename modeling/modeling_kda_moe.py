@@ -12,6 +12,7 @@ gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research 
 import json
 import math
 import os
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from functools import wraps
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.utils import parametrize
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
@@ -977,6 +979,18 @@ def quantile_balancing_bias(
     return bias
 
 
+# Routers with `router_bias_update="optimizer_step"` holding micro-batch biases, applied after any torch optimizer's step
+ROUTERS_AWAITING_STEP: "weakref.WeakSet[KdaMoeRouter]" = weakref.WeakSet()
+
+
+def apply_biases_after_optimizer_step(optimizer, args, kwargs) -> None:
+    for router in list(ROUTERS_AWAITING_STEP):
+        router.apply_accumulated_bias()
+
+
+register_optimizer_step_post_hook(apply_biases_after_optimizer_step)
+
+
 class KdaMoeRouter(nn.Module):
     """Sigmoid router in fp32 with a selection-only bias (`e_score_correction_bias`, a persistent fp32 buffer).
 
@@ -987,7 +1001,10 @@ class KdaMoeRouter(nn.Module):
     `"bias_sign"`: DeepSeek-V3's `b += gamma * sign(mean_load - load)`) but applies it only once that step's backward
     has gone through the router (a hook on the router logits' gradient). A forward recomputed by gradient
     checkpointing therefore routes exactly like the original one, plain `Trainer` needs no callback, and eval /
-    `torch.no_grad()` forwards never touch the bias. The bias never receives gradients.
+    `torch.no_grad()` forwards never touch the bias. The bias never receives gradients. With
+    `router_bias_update="optimizer_step"` the backward only adds its bias to a running sum, and the next step of any
+    torch optimizer applies the mean: under gradient accumulation every micro-batch of a step routes with the same
+    bias (what RL trainers comparing rollout and training log-probabilities need).
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -1007,6 +1024,9 @@ class KdaMoeRouter(nn.Module):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward, for logging
         self._pending_bias: torch.Tensor | None = None
+        self.bias_update = config.router_bias_update
+        self._accumulated_bias: torch.Tensor | None = None  # "optimizer_step": the sum of the micro-batches' biases
+        self._accumulated_count = 0
         self.balancing_group = DEFAULT_GROUP  # the ranks whose statistics balancing pools (`set_balancing_group`)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1052,9 +1072,27 @@ class KdaMoeRouter(nn.Module):
 
     @torch.no_grad()
     def _apply_pending_bias(self, grad: torch.Tensor | None = None) -> None:
-        if self._pending_bias is not None:
+        """The staged bias becomes the bias (`"backward"`) or joins the running sum of the optimizer step."""
+        if self._pending_bias is None:
+            return
+        if self.bias_update == "optimizer_step":
+            if self._accumulated_bias is None:
+                self._accumulated_bias = self._pending_bias
+            else:
+                self._accumulated_bias = self._accumulated_bias + self._pending_bias
+            self._accumulated_count += 1
+            ROUTERS_AWAITING_STEP.add(self)
+        else:
             self.e_score_correction_bias.copy_(self._pending_bias)
-            self._pending_bias = None
+        self._pending_bias = None
+
+    @torch.no_grad()
+    def apply_accumulated_bias(self) -> None:
+        """The mean of the biases of the micro-batches since the last optimizer step becomes the bias."""
+        if self._accumulated_bias is not None:
+            self.e_score_correction_bias.copy_(self._accumulated_bias / self._accumulated_count)
+            self._accumulated_bias, self._accumulated_count = None, 0
+        ROUTERS_AWAITING_STEP.discard(self)
 
     def load_statistics(self) -> dict[str, float]:
         """Max / mean tokens per expert and the number of experts that got no token, in the last forward."""

@@ -160,3 +160,70 @@ def test_histogram_balancing_matches_exact_balancing_closely():
     assert (exact - estimate).abs().max() < 2e-3
     loads = expert_loads((scores + estimate).topk(router.top_k, dim=-1).indices, router.num_experts)
     assert (loads - 256 * router.top_k // router.num_experts).abs().max() <= 2
+
+
+def micro_batches():
+    return [torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(40 + i)) for i in range(2)]
+
+
+def biases(model):
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+@pytest.mark.parametrize("balancing", ["quantile", "bias_sign"])
+def test_optimizer_step_update_routes_every_micro_batch_alike_and_applies_their_mean_bias(balancing):
+    """`router_bias_update="optimizer_step"` with two micro-batches of gradient accumulation: the second routes with
+    the bias the first saw (its training logits equal a no-grad forward's before the step, where the per-backward
+    update has moved them), and the optimizer step applies the mean of the two micro-batches' biases, each computed
+    from the bias before the step as the per-backward update computes it."""
+    base = tiny_model(seed=5, router_balancing=balancing, router_bias_update_rate=0.05).train()
+    first, second = micro_batches()
+    start = biases(base)
+    per_micro_batch = []  # each micro-batch's bias from the starting bias, by the per-backward update
+    for input_ids in (first, second):
+        model = copy.deepcopy(base)
+        model(input_ids, labels=input_ids).loss.backward()
+        per_micro_batch.append(biases(model))
+
+    for update in ("optimizer_step", "backward"):
+        model = tiny_model(seed=5, router_balancing=balancing, router_bias_update_rate=0.05,
+                           router_bias_update=update).train()  # the same weights as base
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.no_grad():
+            rollout_logits = model(second).logits  # what a rollout saw before the step
+        model(first, labels=first).loss.backward()
+        training_logits = model(second).logits  # the training forward of the second micro-batch
+        training_logits.sum().backward()
+        if update == "optimizer_step":
+            assert torch.equal(training_logits, rollout_logits)
+            assert all(torch.equal(b, start[n]) for n, b in biases(model).items())  # nothing applied before the step
+            optimizer.step()
+            for name, bias in biases(model).items():
+                expected = (per_micro_batch[0][name] + per_micro_batch[1][name]) / 2
+                assert torch.count_nonzero(bias) > 0 and torch.allclose(bias, expected, atol=1e-7), name
+        else:
+            assert not torch.equal(training_logits, rollout_logits)
+
+
+def test_optimizer_step_update_counts_each_micro_batch_once_under_gradient_checkpointing():
+    """Checkpointed layers run the router's forward again in the backward: each micro-batch still adds one bias."""
+    results = []
+    for checkpointing in (False, True):
+        model = tiny_model(seed=6, router_bias_update="optimizer_step").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for input_ids in micro_batches():
+            model(input_ids, labels=input_ids).loss.backward()
+        counts = {m._accumulated_count for m in model.modules() if isinstance(m, KdaMoeRouter)}
+        optimizer.step()
+        results.append((counts, biases(model)))
+    (counts, plain), (counts_checkpointed, checkpointed) = results
+    assert counts == counts_checkpointed == {2}
+    for name, bias in plain.items():
+        assert torch.count_nonzero(bias) > 0 and torch.equal(bias, checkpointed[name]), name
+
+
+def test_bias_update_must_be_one_of_the_two_moments():
+    with pytest.raises(ValueError, match="router_bias_update"):
+        tiny_config(router_bias_update="epoch")
