@@ -1178,12 +1178,13 @@ class KdaMoeExperts(nn.Module):
     def takes_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
         """Whether this call runs `grouped_experts`' Triton path: `config.experts_implementation == "grouped_mm"`,
         weights that hold all E experts as plain tensors on every rank (not an expert-parallel shard, whose routes to
-        other ranks carry an id past its experts, nor tensor-parallel DTensors), and the kernel backend resolving to
-        Triton for these tensors."""
+        other ranks carry an id past its experts: a shard's shape up to transformers 5.18, `_is_expert_parallel`
+        from 5.19; nor tensor-parallel DTensors), and the kernel backend resolving to Triton for these tensors."""
         weights = (self.gate_up_proj, self.down_proj)
         if (
             self.config._experts_implementation != "grouped_mm"
             or self.gate_up_proj.shape[0] != self.num_experts
+            or getattr(self, "_is_expert_parallel", False)
             or any(isinstance(weight, DTensor) for weight in weights)
         ):
             return False

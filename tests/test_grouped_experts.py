@@ -166,3 +166,19 @@ def test_model_training_takes_the_grouped_kernel_with_the_same_loss_and_gradient
     assert rel(loss, expected_loss) < 1e-5 and grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert rel(grad, expected_grads[name]) < 1e-5, (name, rel(grad, expected_grads[name]))
+
+
+def test_expert_parallel_shards_keep_transformers_experts():
+    """An expert-parallel shard routes tokens of other ranks' experts with an id past its own: the grouped kernel,
+    which takes every id as one of its experts, leaves such modules to transformers' implementation."""
+    config = tiny_config(kernel_backend="triton", experts_implementation="grouped_mm")
+    config._experts_implementation = "grouped_mm"
+    experts = KdaMoeExperts(config).to(dev)
+    hidden = torch.randn(70, config.routed_expert_hidden_size, device=dev)
+    assert experts.takes_grouped_kernel(hidden)
+    experts._is_expert_parallel = True  # what transformers' expert-parallel plan sets (5.19+)
+    assert not experts.takes_grouped_kernel(hidden)
+    experts._is_expert_parallel = False
+    experts.num_experts += 1  # up to 5.18 a shard holds fewer experts than the model's count
+    assert not experts.takes_grouped_kernel(hidden)
+
