@@ -184,3 +184,34 @@ def test_expert_parallel_shards_keep_transformers_experts():
     experts.num_experts += 1  # up to 5.18 a shard holds fewer experts than the model's count
     assert not experts.takes_grouped_kernel(hidden)
 
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def test_parametrized_expert_weights_reach_the_grouped_kernel_as_tensors():
+    """A parametrization on the experts' weights (what PEFT's expert adapters are): the grouped path reads the
+    computed weights and the gradients reach the original ones, as on transformers' path."""
+    from torch.nn.utils import parametrize
+
+    inputs = expert_inputs(seed=10)
+    hidden, index, weights = (t.detach() for t in inputs[:3])
+    results = []
+    for backend in ("triton", "torch"):
+        config = tiny_config(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, routed_expert_hidden_size=L,
+                             kernel_backend=backend)
+        config._experts_implementation = "grouped_mm"
+        experts = KdaMoeExperts(config).to(dev)
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(inputs[3])
+            experts.down_proj.copy_(inputs[4])
+        parametrize.register_parametrization(experts, "gate_up_proj", Doubled())
+        x = hidden.clone().requires_grad_()
+        assert experts.takes_grouped_kernel(x) == (backend == "triton")
+        out = experts(x, index, weights)
+        out.square().sum().backward()
+        results.append((out, x.grad, experts.parametrizations.gate_up_proj.original.grad, experts.down_proj.grad))
+    for a, b in zip(*results):
+        assert rel(a, b) < 1e-5
