@@ -62,7 +62,8 @@ from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_att
 from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
-from ..kernels.moe import fits_decode_kernel, gated_activation, grouped_experts, moe_decode, top_k_routing
+from ..kernels.moe import (expert_loads, fits_decode_kernel, gated_activation, grouped_experts, moe_decode,
+                           top_k_routing)
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -892,14 +893,6 @@ class KdaMoeMLP(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Router and auxiliary-loss-free balancing
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert: [N, k] -> [E] (int64). A scatter into E counters, not `bincount`, whose output
-    length depends on the data: it keeps the shape fixed, so a compiled step neither breaks its graph nor syncs."""
-    indices = topk_indices.flatten().long()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=indices.device)
-    return counts.scatter_add_(0, indices, torch.ones_like(indices))
 
 
 QUANTILE_STEP = 0.7

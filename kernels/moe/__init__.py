@@ -5,7 +5,7 @@ import torch
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
 from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
-from .reference import ACTIVATIONS, gated_activation, routed_experts, sigmoid_top_k
+from .reference import ACTIVATIONS, expert_loads, gated_activation, routed_experts, sigmoid_top_k
 
 if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
@@ -124,6 +124,7 @@ def top_k_routing(
 
 __all__ = [
     "MAX_DECODE_TOKENS",
+    "expert_loads",
     "fits_decode_kernel",
     "gated_activation",
     "grouped_experts",

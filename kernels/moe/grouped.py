@@ -27,6 +27,7 @@ from transformers.integrations.moe import _grouped_mm as grouped_mm
 
 from ..backend import op_for_call, tl, triton
 from .activation import gated_activation, gated_activation_and_grads
+from .reference import expert_loads
 
 
 @dataclass(frozen=True)
@@ -186,13 +187,10 @@ def grouped_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     [N, l] in hidden_states' dtype; differentiable in the states, the routing weights and both weights."""
     N, k = top_k_index.shape
     E = gate_up_proj.shape[0]
-    expert_of_pair = top_k_index.flatten()
-    order = expert_of_pair.argsort(stable=True)  # [S]: the pairs sorted by expert, token order within an expert
+    order = top_k_index.flatten().argsort(stable=True)  # [S]: the pairs sorted by expert, token order within an expert
     pair_rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     pair_token = order // k
-    counts = torch.zeros(E, dtype=torch.int32, device=order.device).scatter_add_(
-        0, expert_of_pair, torch.ones_like(expert_of_pair, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)  # [E]: end of each expert's pairs
+    offsets = expert_loads(top_k_index, E).cumsum(0, dtype=torch.int32)  # [E]: end of each expert's pairs
     x = _SpreadToPairs.apply(hidden_states, pair_token, pair_rank, k)  # [S, l]
     gate_up = grouped_mm(x, gate_up_proj.transpose(1, 2), offsets)  # [S, 2I]
     h = weighted_glu(gate_up, top_k_weights.flatten().index_select(0, order), kind, gate_cap, up_cap)  # [S, I]

@@ -1,5 +1,5 @@
-"""Pure-PyTorch reference for the routed experts: the gated activation they share with the dense MLP, and the
-weighted sum of each token's k experts that the decode kernel computes."""
+"""Pure-PyTorch reference for the routed experts: the gated activation they share with the dense MLP, the weighted sum
+of each token's k experts that the expert kernels compute, and the tokens each expert got."""
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +71,11 @@ def sigmoid_top_k(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, indices
+
+
+def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert: [N, k] -> [E] (int64). A scatter into E counters, not `bincount`, whose output
+    length depends on the data: it keeps the shape fixed, so a compiled step neither breaks its graph nor syncs."""
+    indices = topk_indices.flatten().long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=indices.device)
+    return counts.scatter_add_(0, indices, torch.ones_like(indices))
