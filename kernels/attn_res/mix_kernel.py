@@ -102,6 +102,17 @@ def _attn_res_fwd_kernel(blocks, partial, norm_w, query_w, out, weights, rstd, M
 
 
 @triton.jit
+def _backward_slice(norm_w, query_w, grad_out, row, m_m, d0, D: tl.constexpr, BD: tl.constexpr):
+    """The backward's channel slice from d0, as both its passes take it: (channels o_d, their mask, the
+    pseudo-query's slice, the [rows, slice] mask, the output gradient's slice in fp32)."""
+    o_d = d0 + tl.arange(0, BD)
+    m_d = o_d < D
+    m = m_m[:, None] & m_d[None, :]
+    g = tl.load(grad_out + row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    return o_d, m_d, _query_slice(norm_w, query_w, o_d, m_d), m, g
+
+
+@triton.jit
 def _attn_res_bwd_kernel(blocks, partial, norm_w, query_w, weights, rstd, grad_out, grad_blocks, grad_partial,
                          grad_query_part, M, N, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
                          SP: tl.constexpr, ITERS: tl.constexpr):
@@ -116,11 +127,7 @@ def _attn_res_bwd_kernel(blocks, partial, norm_w, query_w, weights, rstd, grad_o
         grad_p = tl.zeros((ROWS, SP), dtype=tl.float32)  # output gradient . source
         dot = tl.zeros((ROWS, SP), dtype=tl.float32)  # source . pseudo-query
         for d0 in range(0, D, BD):
-            o_d = d0 + tl.arange(0, BD)
-            m_d = o_d < D
-            q = _query_slice(norm_w, query_w, o_d, m_d)
-            m = m_m[:, None] & m_d[None, :]
-            g = tl.load(grad_out + row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+            o_d, m_d, q, m, g = _backward_slice(norm_w, query_w, grad_out, row, m_m, d0, D, BD)
             for s in range(N + 1):
                 v = _load_source(blocks, partial, s, N, M, row + o_d[None, :], m, D)
                 grad_p = tl.where(o_s == s, grad_p + tl.sum(g * v, 1)[:, None], grad_p)
@@ -130,11 +137,7 @@ def _attn_res_bwd_kernel(blocks, partial, norm_w, query_w, weights, rstd, grad_o
         coef_q = grad_logit * r
         coef_v = -grad_logit * dot * r * r * r / D
         for d0 in range(0, D, BD):
-            o_d = d0 + tl.arange(0, BD)
-            m_d = o_d < D
-            q = _query_slice(norm_w, query_w, o_d, m_d)
-            m = m_m[:, None] & m_d[None, :]
-            g = tl.load(grad_out + row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+            o_d, m_d, q, m, g = _backward_slice(norm_w, query_w, grad_out, row, m_m, d0, D, BD)
             grad_q = tl.zeros((BD,), dtype=tl.float32)
             for s in range(N + 1):
                 v = _load_source(blocks, partial, s, N, M, row + o_d[None, :], m, D)
