@@ -46,6 +46,16 @@ def glu_launch(intermediate: int) -> GluLaunch:
 
 
 @triton.jit
+def _gate_up_slice(gate_up, row_in, m_r, i0, I: tl.constexpr, BI: tl.constexpr):
+    """Channels i0 ... i0 + BI of the rows' gate and up halves: (their offsets, the [rows, BI] mask, gate, up in fp32)."""
+    o_i = i0 + tl.arange(0, BI)
+    m = m_r[:, None] & (o_i < I)[None, :]
+    gate = tl.load(gate_up + row_in + o_i[None, :], mask=m, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + row_in + I + o_i[None, :], mask=m, other=0.0).to(tl.float32)
+    return o_i, m, gate, up
+
+
+@triton.jit
 def _weighted_glu_fwd_kernel(gate_up, weights, out, S, gate_cap, up_cap, I: tl.constexpr, ROWS: tl.constexpr,
                              BI: tl.constexpr, SITU: tl.constexpr, UP_CAP: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -53,10 +63,7 @@ def _weighted_glu_fwd_kernel(gate_up, weights, out, S, gate_cap, up_cap, I: tl.c
     w = tl.load(weights + rows, mask=m_r, other=0.0).to(tl.float32)[:, None]
     row_in, row_out = rows.to(tl.int64)[:, None] * (2 * I), rows.to(tl.int64)[:, None] * I
     for i0 in range(0, I, BI):
-        o_i = i0 + tl.arange(0, BI)
-        m = m_r[:, None] & (o_i < I)[None, :]
-        gate = tl.load(gate_up + row_in + o_i[None, :], mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gate_up + row_in + I + o_i[None, :], mask=m, other=0.0).to(tl.float32)
+        o_i, m, gate, up = _gate_up_slice(gate_up, row_in, m_r, i0, I, BI)
         h = gated_activation(gate, up, gate_cap, up_cap, SITU, UP_CAP) * w
         tl.store(out + row_out + o_i[None, :], h.to(out.dtype.element_ty), mask=m)
 
@@ -71,10 +78,7 @@ def _weighted_glu_bwd_kernel(gate_up, weights, grad_out, grad_gate_up, grad_weig
     row_in, row_out = rows.to(tl.int64)[:, None] * (2 * I), rows.to(tl.int64)[:, None] * I
     grad_w = tl.zeros((ROWS,), dtype=tl.float32)
     for i0 in range(0, I, BI):
-        o_i = i0 + tl.arange(0, BI)
-        m = m_r[:, None] & (o_i < I)[None, :]
-        gate = tl.load(gate_up + row_in + o_i[None, :], mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gate_up + row_in + I + o_i[None, :], mask=m, other=0.0).to(tl.float32)
+        o_i, m, gate, up = _gate_up_slice(gate_up, row_in, m_r, i0, I, BI)
         grad_h = tl.load(grad_out + row_out + o_i[None, :], mask=m, other=0.0).to(tl.float32)
         a, a_gate, a_up = gated_activation_and_grads(gate, up, gate_cap, up_cap, SITU, UP_CAP)
         grad_w += tl.sum(grad_h * a, 1)
