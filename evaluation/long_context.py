@@ -18,6 +18,7 @@ log-likelihood after context + question (what lm-evaluation-harness's `multiple_
 
 import argparse
 import json
+import math
 import random
 from pathlib import Path
 
@@ -138,18 +139,22 @@ def read_suite(out: Path) -> list[dict]:
     return [json.loads(line) for path in sorted((out / "data").glob("*.jsonl")) for line in path.read_text().splitlines()]
 
 
+PREFILL_CHUNK = 65536  # context tokens per forward: bounds a long context's activation memory
+
+
 @torch.no_grad()
-def choice_logliks(model, tokenizer, doc: dict) -> list[float]:
-    """Log-likelihood of each choice after `context\nquestion`. The context runs once (batch 1, logits of its last
-    token only, so a 1M-token context never materialises 1M x vocab logits); a choice longer than one token continues
-    from a copy of the context's cache."""
+def choice_logliks(model, tokenizer, doc: dict, prefill_chunk: int = PREFILL_CHUNK) -> list[float]:
+    """Log-likelihood of each choice after `context\nquestion`. The context runs once, `prefill_chunk` tokens per
+    forward (batch 1, logits of its last token only, so a 1M-token context never materialises 1M x vocab logits nor
+    a 1M-token forward's activations); a choice longer than one token continues from a copy of the context's cache."""
     import copy
 
+    from kda_moe import prefill_in_chunks
     from kda_moe.compat import CACHE_NAME, output_cache
 
     device = model.device
     prefix = torch.tensor([tokenizer(f"{doc['context']}\n{doc['question']}").input_ids], device=device)
-    out = model(input_ids=prefix, use_cache=True, logits_to_keep=1)
+    out = prefill_in_chunks(model, prefix, chunk_size=prefill_chunk)
     first = out.logits[0, -1].float().log_softmax(-1)
     logliks = []
     for choice in doc["choices"]:
@@ -163,7 +168,8 @@ def choice_logliks(model, tokenizer, doc: dict) -> list[float]:
     return logliks
 
 
-def score(model, tokenizer, docs: list[dict], timings: dict | None = None) -> dict[tuple[str, int], float]:
+def score(model, tokenizer, docs: list[dict], timings: dict | None = None,
+          prefill_chunk: int = PREFILL_CHUNK) -> dict[tuple[str, int], float]:
     """Accuracy per (task, length): the chosen answer is the choice of highest log-likelihood. With `timings` (a dict),
     also records per (task, length) the seconds per document and, on CUDA, the peak memory in GiB."""
     import time
@@ -176,11 +182,11 @@ def score(model, tokenizer, docs: list[dict], timings: dict | None = None) -> di
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        logliks = choice_logliks(model, tokenizer, doc)
+        logliks = choice_logliks(model, tokenizer, doc, prefill_chunk)
         hits.setdefault(key, []).append(max(range(len(logliks)), key=logliks.__getitem__) == doc["label"])
         if timings is not None:
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-            seconds, memory = timings.get(key, (0.0, 0.0))
+            seconds, memory = timings.get(key, (0.0, peak))
             timings[key] = (seconds + time.perf_counter() - start, max(memory, peak))
     if timings is not None:
         for key in timings:
@@ -265,6 +271,9 @@ def main(argv=None):
     parser.add_argument("--out", "--suite", dest="out", type=Path, default=Path("outputs/long_context"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--count", type=int, default=20, help="documents per task and length")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="write: the tasks to write")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                        help="score: context tokens per forward (bounds activation memory)")
     parser.add_argument("--model", help="model folder or Hub id (score)")
     parser.add_argument("--tokenizer", help="tokenizer (default: the model's, else the one shipped with kda-moe)")
     parser.add_argument("--plot", type=Path)
@@ -276,19 +285,24 @@ def main(argv=None):
     import kda_moe  # noqa: F401  (registers the Auto classes)
     from kda_moe.processing import TOKENIZER_DIR
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model or str(TOKENIZER_DIR))
+    model_folder = Path(args.model) if args.model else None
+    without_tokenizer = model_folder is None or (
+        model_folder.is_dir() and not (model_folder / "tokenizer_config.json").exists()
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(TOKENIZER_DIR if without_tokenizer else model_folder))
     if args.command == "write":
-        for path in write_suite(args.out, tokenizer, args.lengths, args.count):
+        for path in write_suite(args.out, tokenizer, args.lengths, args.count, tasks=args.tasks):
             print(path)
         return
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", device_map="auto")
     timings = {}
-    results = score(model, tokenizer, read_suite(args.out), timings)
+    results = score(model, tokenizer, read_suite(args.out), timings, args.prefill_chunk)
     for (task, length), acc in results.items():
         seconds, memory = timings[task, length]
-        print(f"{task:12s} {length:>9d} tokens  accuracy {acc:.3f}  {seconds:.2f} s/sequence  peak {memory:.1f} GiB")
+        memory = "" if math.isnan(memory) else f"  peak {memory:.1f} GiB"  # NaN off CUDA
+        print(f"{task:12s} {length:>9d} tokens  accuracy {acc:.3f}  {seconds:.2f} s/sequence{memory}")
     if args.plot:
         plot(results, args.plot)
     if args.card:

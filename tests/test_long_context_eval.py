@@ -58,9 +58,10 @@ def test_lm_eval_loads_the_written_tasks(tmp_path):
     assert task.doc_to_choice(doc) == written["choices"] and task.doc_to_target(doc) == written["label"]
 
 
-def test_cached_choice_scoring_matches_full_sequence_loglikelihood():
-    """The runner runs the context once and continues each choice from a copy of its cache; the numbers equal the
-    log-likelihood of the choice's tokens in one forward over context + choice."""
+@pytest.mark.parametrize("prefill_chunk", [65536, 16])
+def test_cached_choice_scoring_matches_full_sequence_loglikelihood(prefill_chunk):
+    """The runner runs the context once, in forwards of `prefill_chunk` tokens, and continues each choice from a copy
+    of its cache; the numbers equal the log-likelihood of the choice's tokens in one forward over context + choice."""
     import torch
     from conftest import tiny_model
 
@@ -75,7 +76,8 @@ def test_cached_choice_scoring_matches_full_sequence_loglikelihood():
         with torch.no_grad():
             logps = model(torch.tensor([prefix + option])).logits[0].float().log_softmax(-1)
         expected.append(sum(logps[len(prefix) + j - 1, t].item() for j, t in enumerate(option)))
-    assert lc.choice_logliks(model, tok, doc) == pytest.approx(expected, abs=1e-4)
+    assert len(prefix) > 3 * 16  # the 16-token chunks split the context in several forwards
+    assert lc.choice_logliks(model, tok, doc, prefill_chunk) == pytest.approx(expected, abs=1e-4)
 
 
 
