@@ -1,5 +1,8 @@
 """Pure-PyTorch reference for the routed experts: the gated activation they share with the dense MLP, the weighted sum
-of each token's k experts that the expert kernels compute, and the tokens each expert got."""
+of each token's k experts that the expert kernels compute, the tokens each expert got, and experts' weights stored
+mxfp4 (``Mxfp4Weight``): their decoding and the grouped product the mxfp4 kernel computes."""
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -79,3 +82,44 @@ def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     indices = topk_indices.flatten().long()
     counts = torch.zeros(num_experts, dtype=torch.long, device=indices.device)
     return counts.scatter_add_(0, indices, torch.ones_like(indices))
+
+
+class Mxfp4Weight(NamedTuple):
+    """Expert weights ``[E, N, K]`` (out, in) as compressed-tensors' ``mxfp4-pack-quantized`` format stores them: two
+    E2M1 values a byte along K, and one E8M0 scale (a power of two) per 32 consecutive weights along K."""
+
+    packed: torch.Tensor  # [E, N, K // 2] uint8: element 2j is the low nibble of byte j, element 2j + 1 the high one
+    scale: torch.Tensor  # [E, N, K // 32] uint8: the group's weights are e2m1 * 2 ** (scale - 127)
+
+    @property
+    def shape(self) -> torch.Size:
+        """(E, N, K), the dense weight's shape."""
+        E, N, half_K = self.packed.shape
+        return torch.Size((E, N, 2 * half_K))
+
+
+# The E2M1 value of each nibble: bit 3 is the sign, bits 0-2 index the magnitudes (nibble 8 is -0.0, as
+# compressed-tensors decodes it).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """mxfp4 bytes -> dense weights: packed ``[..., N, K / 2]`` and scale ``[..., N, K / 32]`` (uint8, laid out as
+    ``Mxfp4Weight``'s) -> ``[..., N, K]`` in ``dtype``. ``e2m1 * 2 ** (scale - 127)`` in fp32, cast once: bit for bit
+    compressed-tensors' decompression (every such product is exact in bf16 too; scale 255, NaN in the OCP MX spec,
+    decodes to inf there and here)."""
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., N, K]: the low nibble first
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[nibbles.int()]
+    # 2 ** (scale - 127) written as fp32 bits: the exponent field, or the subnormal 2 ** -127 for scale 0
+    powers = torch.where(scale > 0, scale.int() << 23, 1 << 22).view(torch.float32)  # [..., N, K / 32]
+    return (values.unflatten(-1, (-1, 32)) * powers[..., None]).flatten(-2).to(dtype)
+
+
+def mxfp4_grouped_mm_reference(x: torch.Tensor, weight: Mxfp4Weight, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[r] @ W_e.T`` for every row r of expert e: x ``[S, K]`` sorted by expert, weight mxfp4 ``[E, N, K]``,
+    offsets ``[E]`` the end of each expert's rows (``offsets[-1] == S``) -> ``[S, N]`` in x's dtype. Decodes every
+    expert, multiplies in fp32 and rounds once; reads offsets on the host (a sync): a reference, not a fast path."""
+    dense = dequantize_mxfp4(weight.packed, weight.scale, torch.float32)  # [E, N, K]
+    ends = offsets.tolist()
+    rows = [x[start:end].float() @ dense[e].T for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
+    return torch.cat(rows).to(x.dtype)
