@@ -1,15 +1,18 @@
 """Routed experts: the router's top-k choice, the entry points the model calls for a few tokens (decoding) and for
-many (training, prefill), and the gated activation the experts share with the dense MLP."""
+many (training, prefill), the gated activation the experts share with the dense MLP, and the grouped product of
+experts' weights stored mxfp4."""
 
 import torch
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
-from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
-from .reference import ACTIVATIONS, expert_loads, gated_activation, routed_experts, sigmoid_top_k
+from .limits import KERNEL_DTYPES, MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
+from .reference import (ACTIVATIONS, Mxfp4Weight, dequantize_mxfp4, expert_loads, gated_activation,
+                        mxfp4_grouped_mm_reference, routed_experts, sigmoid_top_k)
 
 if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
     from .grouped import grouped_experts_triton
+    from .mxfp4 import mxfp4_grouped_mm_triton
     from .routing import sigmoid_top_k_triton
 
 
@@ -122,13 +125,63 @@ def top_k_routing(
     return sigmoid_top_k(router_logits, bias, top_k, n_group, topk_group, renormalize, scale)
 
 
+def _check_mxfp4_inputs(x, weight, offsets):
+    packed, scale = weight
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(
+            f"weight.packed and weight.scale must be uint8 (compressed-tensors' weight_packed / weight_scale bytes), "
+            f"got {packed.dtype} and {scale.dtype}; bytes cast to a float dtype (as a loader does) are exact: cast "
+            "them back with .to(torch.uint8)."
+        )
+    if x.dim() != 2 or packed.dim() != 3:
+        raise ValueError(f"x must be [S, K] and weight.packed [E, N, K / 2], got {tuple(x.shape)} and "
+                         f"{tuple(packed.shape)}.")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"x must be one of {KERNEL_DTYPES}, got {x.dtype}.")
+    K = x.shape[1]
+    if K % 32:
+        raise ValueError(
+            f"x's width K = {K} must be a multiple of 32: mxfp4 stores one scale per 32 weights along K. Pad x with "
+            f"zero columns and the weights with zeros to K = {32 * -(-K // 32)}."
+        )
+    E, N = packed.shape[:2]
+    if packed.shape != (E, N, K // 2) or scale.shape != (E, N, K // 32):
+        raise ValueError(
+            f"weight.packed must be [E, N, K / 2] = {(E, N, K // 2)} and weight.scale [E, N, K / 32] = "
+            f"{(E, N, K // 32)} for x of width K = {K}, got {tuple(packed.shape)} and {tuple(scale.shape)}."
+        )
+    if offsets.shape != (E,) or offsets.dtype != torch.int32:
+        raise ValueError(
+            f"offsets must be [E] = [{E}] int32, the end of each expert's rows (the cumulative sum of the rows per "
+            f"expert, grouped_mm's offs), got {tuple(offsets.shape)} {offsets.dtype}."
+        )
+
+
+def mxfp4_grouped_mm(x: torch.Tensor, weight: Mxfp4Weight, offsets: torch.Tensor, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """``x[r] @ W_e.T`` for every row r of expert e, the experts' weights stored mxfp4: x ``[S, K]`` (bf16, fp16 or
+    fp32) sorted by expert, weight ``[E, N, K]`` (``Mxfp4Weight``), offsets ``[E]`` int32 the end of each expert's
+    rows (``offsets[-1] == S``, as grouped_mm's ``offs``) -> ``[S, N]`` in x's dtype; differentiable in x.
+
+    The Triton kernel (``mxfp4.py``) decodes each weight tile in registers and multiplies bf16 operands (fp32 for fp32
+    inputs) with fp32 sums; the reference decodes whole experts (``dequantize_mxfp4``) and multiplies in fp32."""
+    _check_mxfp4_inputs(x, weight, offsets)
+    if resolve_backend(backend, x, weight.packed, weight.scale, offsets) == "triton":
+        return mxfp4_grouped_mm_triton(x, weight, offsets)
+    return mxfp4_grouped_mm_reference(x, weight, offsets)
+
+
 __all__ = [
     "MAX_DECODE_TOKENS",
+    "Mxfp4Weight",
+    "dequantize_mxfp4",
     "expert_loads",
     "fits_decode_kernel",
     "gated_activation",
     "grouped_experts",
     "moe_decode",
+    "mxfp4_grouped_mm",
+    "mxfp4_grouped_mm_reference",
     "routed_experts",
     "sigmoid_top_k",
     "top_k_routing",
