@@ -3,8 +3,9 @@ without a GPU and print what the compiler reports: registers, spill stack and sh
 forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine kernels, the
 MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts: 64 experts, top-8,
 width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at 1 and 16 tokens, the
-top-k router for 384 experts, and the Block AttnRes mix's forward and backward at the anchor config's width 1024 with
-4 blocks and K3's 7168 with 8). Device time is scarce; spills, shared-memory overflows and compile errors (the
+top-k router for 384 experts, the Block AttnRes mix's forward and backward at the anchor config's width 1024 with
+4 blocks and K3's 7168 with 8, and the mxfp4 grouped GEMM of the anchor config's experts, forward and transposed).
+Device time is scarce; spills, shared-memory overflows and compile errors (the
 interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
@@ -55,7 +56,8 @@ class _Sm90Driver:
 
 def compile_all(dtype, forward_fields, backward_fields):
     """Run the forward and backward launch code and both decode steps for both gates, the MLA decode attention, the
-    MoE decode at 1 and 64 tokens and the other kernels (projections, routing, AttnRes, grouped experts); return
+    MoE decode at 1 and 64 tokens and the other kernels (projections, routing, AttnRes, grouped experts, mxfp4 grouped
+    GEMM); return
     {kernel name: [compiled kernels]}."""
     driver.set_active(_Sm90Driver())
     compiled = {}
@@ -105,6 +107,7 @@ def compile_all(dtype, forward_fields, backward_fields):
         compile_routing()
         compile_attn_res(dtype)
         compile_grouped_experts(dtype)
+        compile_mxfp4_grouped_mm(dtype)
     finally:
         JITFunction.run = launch
     return compiled
@@ -162,6 +165,18 @@ def compile_grouped_experts(dtype):
         gate_up, weights = torch.zeros(64, 2 * intermediate, dtype=dtype), torch.zeros(64, dtype=dtype)
         grouped._weighted_glu(gate_up, weights, True, 4.0, 25.0)
         grouped.weighted_glu_bwd_op(gate_up, weights, torch.zeros(64, intermediate, dtype=dtype), True, 4.0, 25.0)
+
+
+def compile_mxfp4_grouped_mm(dtype):
+    """The mxfp4 grouped GEMM, forward (x W^T) and transposed (x W, the gradient in x), on the anchor config's experts'
+    gate and up rows stored mxfp4 (64 experts, [2I, l] = [1024, 1024]) and 512 rows, 8 an expert."""
+    from kda_moe.kernels.moe import mxfp4
+
+    E, N, K, S = 64, 1024, 1024, 512
+    packed, scale = torch.zeros(E, N, K // 2, dtype=torch.uint8), torch.zeros(E, N, K // 32, dtype=torch.uint8)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * (S // E)
+    for transposed in (False, True):
+        mxfp4._mxfp4_grouped_mm(torch.zeros(S, N if transposed else K, dtype=dtype), packed, scale, offsets, transposed)
 
 
 def main():

@@ -102,9 +102,9 @@ def test_kda_benchmark_decode_tables_time_the_fused_layer_step(tmp_path, monkeyp
 
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     """The interpreter accepts code the compiler rejects: compile every KDA kernel (chunked, decode, fused layer decode)
-    the MLA and MoE decode kernels, the projection kernel, the top-k router, the AttnRes mix and the grouped experts'
-    weighted activation for sm_90 (no GPU needed) through benchmarks/compile_report.py, in a process without the
-    interpreter."""
+    the MLA and MoE decode kernels, the projection kernel, the top-k router, the AttnRes mix, the grouped experts'
+    weighted activation and the mxfp4 grouped GEMM for sm_90 (no GPU needed) through benchmarks/compile_report.py, in
+    a process without the interpreter."""
     import subprocess
 
     from triton.runtime import driver
@@ -122,7 +122,7 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
                        "_gate_grads_kernel", "_decode_kernel", "_fused_decode_kernel", "_mla_split_kernel",
                        "_mla_combine_kernel", "_moe_up_kernel", "_moe_down_kernel", "_projections_kernel",
                        "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel",
-                       "_weighted_glu_fwd_kernel", "_weighted_glu_bwd_kernel"}, out.stdout
+                       "_weighted_glu_fwd_kernel", "_weighted_glu_bwd_kernel", "_mxfp4_grouped_mm_kernel"}, out.stdout
     for name, warps, regs, stack, shared in rows:
         assert int(shared) <= 227 * 1024, (name, shared)  # the most shared memory one H100 / H200 block can have
 
