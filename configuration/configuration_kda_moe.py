@@ -39,6 +39,8 @@ MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu", "situ")
 ROUTER_BALANCING = ("quantile", "bias_sign", "none")
 ROUTER_BIAS_UPDATES = ("backward", "optimizer_step")
+ROUTED_EXPERT_FORMATS = ("dense", "mxfp4")
+MXFP4_GROUP = 32  # weights per E8M0 scale in the mxfp4 format
 GATE_LOWER_BOUND_MIN = -SAFE_LOWER_BOUND  # further down, the chunked KDA kernel's diagonal tiles leave the GEMMs
 
 # Kimi Linear semantics for the K3 features a Kimi Linear config does not mention.
@@ -203,7 +205,10 @@ class KdaMoeTextConfig(PreTrainedConfig):
         router_balancing_iterations (damped Quantile Balancing passes per training step on the step's batch),
         router_bias_update (when the new bias is applied: `"backward"`, once each training backward has gone through
         the router; `"optimizer_step"`, at the next step of a torch optimizer, as the mean of the biases of the
-        micro-batches since the last one, so that every micro-batch of a gradient-accumulation step routes alike).
+        micro-batches since the last one, so that every micro-batch of a gradient-accumulation step routes alike),
+        routed_expert_format (`"dense"`: the routed experts' weights in the model's dtype; `"mxfp4"`: kept as K3
+        stores them, E2M1 values two a byte and one E8M0 scale per 32 weights, 4.25 bits a weight, frozen; the
+        Triton backend dequantizes them in registers inside its grouped GEMMs, the PyTorch one per call).
     Activation:
         hidden_act (`"situ"` = SiTU-GLU, `"silu"` = SwiGLU), activation_situ_beta (b1 > 0),
         activation_situ_linear_beta (b2 > 0 caps the up branch with `b2 * tanh(up / b2)`; `None` = no cap).
@@ -330,6 +335,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
     router_balancing_bins: int = validated_field(at_least(2), default=1024)
     router_balancing_iterations: int = validated_field(at_least(1), default=8)
     router_bias_update: str = validated_field(one_of(ROUTER_BIAS_UPDATES), default="backward")
+    routed_expert_format: str = validated_field(one_of(ROUTED_EXPERT_FORMATS), default="dense")
 
     # activation
     hidden_act: str = validated_field(one_of(HIDDEN_ACTS), default="situ")
@@ -603,6 +609,20 @@ class KdaMoeTextConfig(PreTrainedConfig):
             raise _invalid(
                 "routed_expert_hidden_size", latent, f"must be None or in [1, hidden_size={self.hidden_size}]"
             )
+
+    def validate_routed_expert_format(self):
+        if self.routed_expert_format != "mxfp4":
+            return
+        widths = {"moe_intermediate_size": self.moe_intermediate_size,
+                  "routed_expert_hidden_size": self.routed_expert_hidden_size or self.hidden_size}
+        for field, width in widths.items():
+            if width % MXFP4_GROUP:
+                raise _invalid(
+                    "routed_expert_format", "mxfp4",
+                    f"mxfp4 experts keep one scale per {MXFP4_GROUP} weights along each input row, so the experts' "
+                    f"input widths must be multiples of {MXFP4_GROUP}; {field} (the width of an expert's input) is "
+                    f"{width}. Use routed_expert_format='dense'",
+                )  # fmt: skip
 
     def validate_routing(self):
         if self.num_experts_per_tok > self.num_experts:

@@ -162,9 +162,10 @@ class KdaMoeConfig(PreTrainedConfig):
         projector_rms_norm_eps: eps of the projector's final RMSNorm.
         tie_word_embeddings (`bool`, *optional*): tie `lm_head` to the input embeddings; default = the text config's.
         routed_expert_quantization (`dict`, *optional*): the compressed-tensors `quantization_config` of a K3
-            checkpoint whose routed experts are stored mxfp4; they are dequantized while loading (see
-            `kda_moe.modeling.conversion.DequantizeMxfp4`). Kept under this name so transformers' own quantizer,
-            which expects the experts as `nn.Linear` modules, stays out of the way.
+            checkpoint whose routed experts are stored mxfp4; they are dequantized while loading, or kept packed with
+            `text_config.routed_expert_format="mxfp4"` (see `kda_moe.modeling.conversion.DequantizeMxfp4`). Kept
+            under this name so transformers' own quantizer, which expects the experts as `nn.Linear` modules, stays
+            out of the way.
 
     Example:
 

@@ -84,6 +84,7 @@ from transformers.core_model_loading import (
 
 from ..configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
 from ..distributed.sharded_loading import on_whole_tensors
+from ..kernels.moe import Mxfp4Weight
 
 # K3 stores `A_log` zero-padded to a multiple of this many heads (96 real heads in 128 slots).
 K3_HEAD_PAD = 128
@@ -242,7 +243,9 @@ class ConcatenateWhole(Concatenate):
 
 
 class DequantizeMxfp4(ConversionOps):
-    """Routed experts stored mxfp4 by compressed-tensors -> dense weights, one per expert, before they are merged.
+    """Routed experts stored mxfp4 by compressed-tensors -> dense weights, one per expert, before they are merged; or,
+    for experts kept mxfp4 (`routed_expert_format="mxfp4"`: uint8 parameters), each expert's packed rows as they are,
+    every row's scales after its packed bytes (`kernels.moe.Mxfp4Weight.from_rows`).
 
     Format `mxfp4-pack-quantized`: `weight_packed` `[out, in / 2]` uint8 (two E2M1 values a byte) and `weight_scale`
     `[out, in / 32]` uint8 (one E8M0 power of two per 32 weights). The values are decoded by compressed-tensors' own
@@ -259,25 +262,31 @@ class DequantizeMxfp4(ConversionOps):
     def convert(self, input_dict, source_patterns, target_patterns, config=None, model=None, full_layer_name=None, **kwargs):
         compressor, scheme = mxfp4_codec(getattr(config, "routed_expert_quantization", None))
         parameter = model.get_parameter(full_layer_name)
-        check_whole_scale_groups(parameter, full_layer_name, scheme.weights.group_size)
+        kept_packed = parameter.dtype == torch.uint8
+        check_whole_scale_groups(parameter, full_layer_name, scheme.weights.group_size, kept_packed)
         dtype = parameter.dtype  # the loader keeps a converter's output dtype
-        dequantized = {}
-        for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2]):
-            # The loader casts every checkpoint tensor to the parameter's float dtype; bytes are integers < 256, which
+
+        def expert_rows(packed, scale):  # one expert's [out, in / 2] values and [out, in / 32] scales
+            # The loader casts every checkpoint tensor to the parameter's dtype; bytes are integers < 256, which
             # fp32 / bf16 / fp16 hold exactly, so the cast back is lossless.
-            dequantized[packed_pattern] = [
-                compressor.decompress({"weight_packed": packed.to(torch.uint8), "weight_scale": scale.to(torch.uint8)}, scheme)["weight"].to(dtype)
-                for packed, scale in zip(input_dict[packed_pattern], input_dict[scale_pattern])
-            ]  # fmt: skip
-        return dequantized
+            packed, scale = packed.to(torch.uint8), scale.to(torch.uint8)
+            if kept_packed:
+                return torch.cat([packed, scale], dim=-1)
+            return compressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)["weight"].to(dtype)
+
+        return {
+            packed_pattern: [expert_rows(p, s) for p, s in zip(input_dict[packed_pattern], input_dict[scale_pattern])]
+            for packed_pattern, scale_pattern in zip(source_patterns[::2], source_patterns[1::2])
+        }
 
 
-def check_whole_scale_groups(parameter: torch.Tensor, name: str, group_size: int) -> None:
+def check_whole_scale_groups(parameter: torch.Tensor, name: str, group_size: int, kept_packed: bool = False) -> None:
     """Refuse an expert parameter sharded inside its scale groups, before its mxfp4 weights are decoded.
 
     The loader hands each rank its slice of the stored `weight_packed` / `weight_scale` before `DequantizeMxfp4` runs,
     so a parameter sharded along its input features (the last dim; transformers <= 5.18's tensor-parallel plan splits
-    `down_proj`'s intermediate dim) must leave every rank whole groups of `group_size` weights."""
+    `down_proj`'s intermediate dim) must leave every rank whole groups of `group_size` weights. Experts kept packed
+    hold a row's bytes and its scales side by side, so no split of their last dim is whole groups."""
     if not hasattr(parameter, "placements"):  # a whole tensor on every rank
         return
     last = parameter.ndim - 1
@@ -286,8 +295,13 @@ def check_whole_scale_groups(parameter: torch.Tensor, name: str, group_size: int
         for mesh_dim, placement in enumerate(parameter.placements)
         if getattr(placement, "dim", None) in (last, -1)
     )
+    if kept_packed and pieces > 1:
+        raise ValueError(
+            f"`{name}` holds mxfp4 experts kept packed (routed_expert_format='mxfp4'), whose rows cannot be split over "
+            f"{pieces} ranks; load them with routed_expert_format='dense' for tensor parallelism."
+        )
     features = parameter.shape[last]
-    if features % (pieces * group_size):
+    if not kept_packed and features % (pieces * group_size):
         raise ValueError(
             f"`{name}` splits its {features} input features over {pieces} ranks ({features / pieces:g} a rank), but the "
             f"checkpoint stores the routed experts mxfp4 with one scale per {group_size} weights, and transformers "
@@ -407,7 +421,8 @@ class RepackingConverter(DequantizingConverter):
 class QuantizeMxfp4(ConversionOps):
     """Per-expert dense weights -> mxfp4 `weight_packed` / `weight_scale`, by compressed-tensors: the group scales
     from its `calculate_qparams`, the packing by its compressor for the format (`mxfp4_codec`), with the config's
-    `routed_expert_quantization` or, for a model that was not loaded mxfp4, `mxfp4_quantization_config()`."""
+    `routed_expert_quantization` or, for a model that was not loaded mxfp4, `mxfp4_quantization_config()`. Experts
+    kept mxfp4 (uint8 rows) are split into their bytes and scales as they are."""
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, config=None, full_layer_name=None, **kwargs):
@@ -422,14 +437,17 @@ class QuantizeMxfp4(ConversionOps):
         prefix, _, suffix = next(layer_name.partition(key) for key in input_dict if key in layer_name)
         packed = {}
         for key, tensors in input_dict.items():
-            weight = tensors[0] if isinstance(tensors, list) else tensors  # [out, in]
-            groups = weight.float().view(weight.shape[0], -1, group)
-            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-            compressed = compressor.compress(
-                {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme
-            )
+            weight = tensors[0] if isinstance(tensors, list) else tensors  # [out, in], or [out, in / 2 + in / 32] bytes
+            if weight.dtype == torch.uint8:
+                compressed = dict(zip(("weight_packed", "weight_scale"), Mxfp4Weight.from_rows(weight)))
+            else:
+                groups = weight.float().view(weight.shape[0], -1, group)
+                scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+                compressed = compressor.compress(
+                    {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme
+                )
             for part in ("packed", "scale"):
-                packed[f"{prefix}{key}{suffix}_{part}"] = compressed[f"weight_{part}"]
+                packed[f"{prefix}{key}{suffix}_{part}"] = compressed[f"weight_{part}"].contiguous()
         return packed
 
 

@@ -62,8 +62,8 @@ from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_att
 from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
-from ..kernels.moe import (expert_loads, fits_decode_kernel, gated_activation, grouped_experts, moe_decode,
-                           top_k_routing)
+from ..kernels.moe import (Mxfp4Weight, expert_loads, fits_decode_kernel, gated_activation, grouped_experts,
+                           moe_decode, mxfp4_row_bytes, top_k_routing)
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -1132,15 +1132,19 @@ def with_expert_kernels(experts_class: type[nn.Module]) -> type[nn.Module]:
 
     @wraps(implementation_forward)
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.takes_decode_kernel(hidden_states):
+        weights, backend = (self.gate_up_proj, self.down_proj), "triton"
+        if self.is_mxfp4:  # packed weights: only `grouped_experts` reads them, on either backend
+            self.check_whole_packed_experts()
+            expert_kernel, weights, backend = grouped_experts, tuple(map(Mxfp4Weight.from_rows, weights)), self.backend
+        elif self.takes_decode_kernel(hidden_states):
             expert_kernel = moe_decode
         elif self.takes_grouped_kernel(hidden_states):
             expert_kernel = grouped_experts
         else:
             return implementation_forward(self, hidden_states, top_k_index, top_k_weights)
         return expert_kernel(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation=self.act_fn.kind,
-            gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
+            hidden_states, top_k_index, top_k_weights, *weights, activation=self.act_fn.kind,
+            gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend=backend,
         )
 
     experts_class.forward = forward
@@ -1150,7 +1154,9 @@ def with_expert_kernels(experts_class: type[nn.Module]) -> type[nn.Module]:
 @with_expert_kernels
 @use_experts_implementation
 class KdaMoeExperts(nn.Module):
-    """E routed experts stored fused: `gate_up_proj` [E, 2I, l] and `down_proj` [E, l, I] (l = expert width).
+    """E routed experts stored fused: `gate_up_proj` [E, 2I, l] and `down_proj` [E, l, I] (l = expert width); with
+    `config.routed_expert_format="mxfp4"`, the same rows packed as uint8 (`[E, 2I, l / 2 + l / 32]`, `[E, l, I / 2 +
+    I / 32]`: 4.25 bits a weight), which `grouped_experts` reads on either backend.
 
     `config.experts_implementation` picks this eager loop or transformers' batched / grouped GEMMs; all of them call
     `_apply_gate`, so SiTU-GLU is used everywhere. On the Triton backend two of our kernels take over: decoding (a few
@@ -1164,14 +1170,34 @@ class KdaMoeExperts(nn.Module):
         self.num_experts = config.num_experts
         self.hidden_dim = config.routed_expert_hidden_size or config.hidden_size
         self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.is_mxfp4 = config.routed_expert_format == "mxfp4"
+        E, I, l = self.num_experts, self.intermediate_dim, self.hidden_dim
+        if self.is_mxfp4:  # frozen bytes: each row's packed E2M1 values, then its E8M0 scales (`Mxfp4Weight.from_rows`)
+            self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, mxfp4_row_bytes(l), dtype=torch.uint8), False)
+            self.down_proj = nn.Parameter(torch.zeros(E, l, mxfp4_row_bytes(I), dtype=torch.uint8), False)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, l))
+            self.down_proj = nn.Parameter(torch.empty(E, l, I))
         self.act_fn = KdaMoeGatedActivation(config)
         self.backend = config.kernel_backend
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up_out.chunk(2, dim=-1)
         return self.act_fn(gate, up)
+
+    def check_whole_packed_experts(self) -> None:
+        """Experts kept mxfp4 run as one device's whole set: an expert-parallel shard (whose routes to other ranks
+        carry an id past its experts) or tensor-parallel weights would need transformers' implementations, which
+        read dense weights only."""
+        if (
+            self.gate_up_proj.shape[0] != self.num_experts
+            or getattr(self, "_is_expert_parallel", False)
+            or any(isinstance(weight, DTensor) for weight in (self.gate_up_proj, self.down_proj))
+        ):
+            raise ValueError(
+                "Routed experts kept mxfp4 (routed_expert_format='mxfp4') run whole on each device; expert and tensor "
+                "parallelism need them dense: load the model with routed_expert_format='dense'."
+            )
 
     def takes_decode_kernel(self, hidden_states: torch.Tensor) -> bool:
         """Whether this call runs `moe_decode`'s Triton kernel: at most `MAX_DECODE_TOKENS` tokens and no gradient
@@ -1489,8 +1515,11 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
         elif isinstance(module, KdaMoeExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std)
+            for weight in (module.gate_up_proj, module.down_proj):
+                if module.is_mxfp4:  # packed bytes start at 0 (every value 0): they are loaded, never trained
+                    init.zeros_(weight)
+                else:
+                    init.normal_(weight, mean=0.0, std=std)
         elif isinstance(module, KdaMoeRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
@@ -1513,7 +1542,8 @@ class KdaMoePreTrainedModel(PreTrainedModel):
                 a model built in memory, and with `save_original_format=False`), with exactly the weight names it
                 was loaded with.
             quantize_experts: `"mxfp4"` packs the routed experts as the K3 release stores them (compressed-tensors'
-                `mxfp4-pack-quantized`, with its `quantization_config`); default: dense, in the model's dtype.
+                `mxfp4-pack-quantized`, with its `quantization_config`); default: dense, in the model's dtype. Experts
+                kept mxfp4 (`routed_expert_format="mxfp4"`) are written packed, byte for byte.
 
         The weights go through the reverse of the layout's conversions (`conversion.layout_conversions`). Ours also
         gets the package source the folder runs (flattened, named by `config.auto_map`:
@@ -1527,6 +1557,14 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         as_loaded = layout is None and quantize_experts is None
         if layout is None:
             layout = checkpoint_layout(self) if original_format else "kda_moe"
+        if self.config.get_text_config().routed_expert_format == "mxfp4" and layout != "kda_moe":
+            if layout == "kimi_linear" or quantize_experts not in (None, "mxfp4"):
+                raise ValueError(
+                    f"This model keeps its routed experts mxfp4 (routed_expert_format='mxfp4'), which the {layout} "
+                    "layout cannot store; write layout='kimi_k3' (mxfp4 experts) or 'kda_moe', or load the model with "
+                    "routed_expert_format='dense'."
+                )
+            as_loaded, quantize_experts = False, "mxfp4"  # the experts' packed bytes, written as they are
         # as loaded: the very conversions loading applied (transformers' in-memory Kimi Linear names included)
         conversions = self._weight_conversions if as_loaded else layout_conversions(self, layout, quantize_experts)
         published_config = layout_config_dict(self, layout, quantize_experts)  # raises before anything is written

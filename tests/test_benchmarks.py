@@ -298,3 +298,16 @@ def test_attn_res_benchmark_cpu_mode_writes_its_table(tmp_path):
         assert not any(key.startswith("fla") for key in row)
     table = (tmp_path / "attn_res_bench.md").read_text()
     assert "| 10 x 40, N=3 | fwdbwd |" in table and json.loads((tmp_path / "attn_res_bench.json").read_text())["rows"]
+
+
+def test_mxfp4_experts_benchmark_cpu_mode_writes_its_table(tmp_path):
+    """benchmarks/mxfp4_experts.py ``cpu``: tiny fp32 shapes under the interpreter; the packed kernel's output equals
+    the dense call's on the decoded weights (1e-5) and the weights take 4.25 bits."""
+    bench = load_benchmark("mxfp4_experts.py")
+    result = bench.main(str(tmp_path), cpu=True)
+
+    (row,) = result["rows"]
+    assert row["rel_err"] < 1e-5 and row["bits_per_weight"] == 4.25
+    assert all(row[f"{case}_{p}_ms"] > 0 for case in bench.CASES for p in ("fwd", "fwdbwd"))
+    table = (tmp_path / "mxfp4_experts.md").read_text()
+    assert "| 12 x 2 of 5 | mxfp4 |" in table and json.loads((tmp_path / "mxfp4_experts.json").read_text())["rows"]

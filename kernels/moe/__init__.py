@@ -7,7 +7,7 @@ import torch
 from ..backend import TRITON_AVAILABLE, resolve_backend
 from .limits import KERNEL_DTYPES, MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
 from .reference import (ACTIVATIONS, Mxfp4Weight, dequantize_mxfp4, expert_loads, gated_activation,
-                        mxfp4_grouped_mm_reference, routed_experts, sigmoid_top_k)
+                        mxfp4_grouped_mm_reference, mxfp4_row_bytes, routed_experts, sigmoid_top_k)
 
 if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
@@ -19,7 +19,7 @@ if TRITON_AVAILABLE:
 def _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
-    if hidden_states.dim() != 2 or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+    if hidden_states.dim() != 2 or len(gate_up_proj.shape) != 3 or len(down_proj.shape) != 3:
         raise ValueError(
             f"hidden_states must be [N, l], gate_up_proj [E, 2I, l] and down_proj [E, l, I], got "
             f"{tuple(hidden_states.shape)}, {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}."
@@ -76,8 +76,8 @@ def grouped_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | Mxfp4Weight,
+    down_proj: torch.Tensor | Mxfp4Weight,
     *,
     activation: str,
     gate_cap: float,
@@ -86,15 +86,20 @@ def grouped_experts(
 ) -> torch.Tensor:
     """The routed experts of many tokens, with autograd: ``sum_j w_j down_j(act(gate_up_j(x)))`` per token.
 
-    Arguments as ``moe_decode``'s. The Triton path (``grouped.py``) sorts the (token, choice) pairs by expert, runs
-    one grouped GEMM per projection and the gated activation with the routing weights in one kernel, and sums each
-    token's pairs back in a fixed order; differentiable in the states, the routing weights and both weights. The
-    reference gathers the chosen experts' weights per token."""
+    Arguments as ``moe_decode``'s; either weight may also be mxfp4 (``Mxfp4Weight``, frozen). The Triton path
+    (``grouped.py``) sorts the (token, choice) pairs by expert, runs one grouped GEMM per projection (decoding mxfp4
+    weights in registers) and the gated activation with the routing weights in one kernel, and sums each token's
+    pairs back in a fixed order; differentiable in the states, the routing weights and dense weights. The reference
+    decodes mxfp4 weights to the states' dtype and gathers the chosen experts' weights per token."""
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     options = dict(gate_cap=gate_cap, up_cap=up_cap)
-    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) == "triton":
-        return grouped_experts_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                      kind=activation, **options)
+    weights = (gate_up_proj, down_proj)
+    tensors = [t for weight in weights for t in (weight if isinstance(weight, Mxfp4Weight) else (weight,))]
+    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, *tensors) == "triton":
+        return grouped_experts_triton(hidden_states, top_k_index, top_k_weights, *weights, kind=activation, **options)
+    gate_up_proj, down_proj = (
+        dequantize_mxfp4(*w, hidden_states.dtype) if isinstance(w, Mxfp4Weight) else w for w in weights
+    )
     return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
 
 
@@ -182,6 +187,7 @@ __all__ = [
     "moe_decode",
     "mxfp4_grouped_mm",
     "mxfp4_grouped_mm_reference",
+    "mxfp4_row_bytes",
     "routed_experts",
     "sigmoid_top_k",
     "top_k_routing",

@@ -8,7 +8,8 @@ writing each [pairs, width] tensor once:
 2. one grouped GEMM over every expert's gate and up rows: ``gate_up [S, 2I]``;
 3. one Triton kernel, ``h = A(gate) U(up) w``, the pair's routing weight w folded in before the down projection
    (which is linear), in fp32, stored in the input dtype: the activation and the weighting in one pass;
-4. one grouped GEMM over every expert's down rows: ``y [S, l]``;
+4. one grouped GEMM over every expert's down rows: ``y [S, l]`` (both GEMMs decode mxfp4 weights in registers,
+   ``mxfp4.py``, where the experts are kept packed);
 5. each token's k pair rows gathered back in its own order and summed in fp32 (``y[rank of pair]``, then a sum over
    k): no atomics, so the forward is deterministic.
 
@@ -27,7 +28,8 @@ from transformers.integrations.moe import _grouped_mm as grouped_mm
 
 from ..backend import op_for_call, tl, triton
 from .activation import gated_activation, gated_activation_and_grads
-from .reference import expert_loads
+from .mxfp4 import mxfp4_grouped_mm_triton
+from .reference import Mxfp4Weight, expert_loads
 
 
 @dataclass(frozen=True)
@@ -185,10 +187,10 @@ def _sum_over_pairs(pairs: torch.Tensor, pair_rank: torch.Tensor, k: int) -> tor
 
 
 def grouped_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, kind: str, gate_cap: float,
-                           up_cap: float | None) -> torch.Tensor:
-    """hidden_states [N, l], top_k_index / top_k_weights [N, k], gate_up_proj [E, 2I, l], down_proj [E, l, I] ->
-    [N, l] in hidden_states' dtype; differentiable in the states, the routing weights and both weights."""
+                           gate_up_proj: torch.Tensor | Mxfp4Weight, down_proj: torch.Tensor | Mxfp4Weight, *,
+                           kind: str, gate_cap: float, up_cap: float | None) -> torch.Tensor:
+    """hidden_states [N, l], top_k_index / top_k_weights [N, k], gate_up_proj [E, 2I, l], down_proj [E, l, I] (dense
+    or mxfp4) -> [N, l] in hidden_states' dtype; differentiable in the states, the routing weights and dense weights."""
     N, k = top_k_index.shape
     E = gate_up_proj.shape[0]
     order = top_k_index.flatten().argsort(stable=True)  # [S]: the pairs sorted by expert, token order within an expert
@@ -196,7 +198,16 @@ def grouped_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     pair_token = order // k
     offsets = expert_loads(top_k_index, E).cumsum(0, dtype=torch.int32)  # [E]: end of each expert's pairs
     x = _SpreadToPairs.apply(hidden_states, pair_token, pair_rank, k)  # [S, l]
-    gate_up = grouped_mm(x, gate_up_proj.transpose(1, 2), offsets)  # [S, 2I]
+    gate_up = expert_matmul(x, gate_up_proj, offsets)  # [S, 2I]
     h = weighted_glu(gate_up, top_k_weights.flatten().index_select(0, order), kind, gate_cap, up_cap)  # [S, I]
-    y = grouped_mm(h, down_proj.transpose(1, 2), offsets)  # [S, l]
+    y = expert_matmul(h, down_proj, offsets)  # [S, l]
     return _SumOverPairs.apply(y, pair_token, pair_rank, k).to(hidden_states.dtype)
+
+
+def expert_matmul(x: torch.Tensor, weight: torch.Tensor | Mxfp4Weight, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[r] @ W_e.T`` for the rows r of each expert e: x [S, K] sorted by expert, weight [E, N, K], offsets [E] the
+    end of each expert's rows -> [S, N]. Dense weights through transformers' grouped GEMM dispatcher, mxfp4 ones
+    (``Mxfp4Weight``) through our kernel, which decodes them in registers (differentiable in x only)."""
+    if isinstance(weight, Mxfp4Weight):
+        return mxfp4_grouped_mm_triton(x, weight, offsets)
+    return grouped_mm(x, weight.transpose(1, 2), offsets)

@@ -70,16 +70,20 @@ def _e8m0_values(exponents):
 
 
 @triton.jit
-def _weight_tile(packed, scale, expert, o_n, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, MMA: tl.constexpr):
+def _weight_tile(packed, scale, strides, expert, o_n, k0, N, K, BN: tl.constexpr, BK: tl.constexpr,
+                 MMA: tl.constexpr):
     """Rows o_n ([BN]) and columns k0 ... k0 + BK of the expert's weight, decoded from its packed bytes and scales:
-    [BN, BK] in the MMA dtype, zeros past N and K."""
+    [BN, BK] in the MMA dtype, zeros past N and K. ``strides``: (expert, row) strides of packed, then of scale."""
     tl.static_assert(BK % 32 == 0, "BK must cover whole scale groups of 32 weights")
+    packed_expert, packed_row, scale_expert, scale_row = strides
     o_b = k0 // 2 + tl.arange(0, BK // 2)  # packed bytes
     o_g = k0 // 32 + tl.arange(0, BK // 32)  # scale groups
-    row = (expert.to(tl.int64) * N + o_n)[:, None]
+    expert, row = expert.to(tl.int64), o_n.to(tl.int64)[:, None]
     m_n = (o_n < N)[:, None]
-    bytes_ = tl.load(packed + row * (K // 2) + o_b[None, :], mask=m_n & (o_b < K // 2)[None, :], other=0)
-    exponents = tl.load(scale + row * (K // 32) + o_g[None, :], mask=m_n & (o_g < K // 32)[None, :], other=0)
+    bytes_ = tl.load(packed + expert * packed_expert + row * packed_row + o_b[None, :],
+                     mask=m_n & (o_b < K // 2)[None, :], other=0)
+    exponents = tl.load(scale + expert * scale_expert + row * scale_row + o_g[None, :],
+                        mask=m_n & (o_g < K // 32)[None, :], other=0)
     nibbles = tl.join(bytes_ & 0xF, bytes_ >> 4).to(tl.int32)  # [BN, BK / 2, 2]: the low nibble first
     groups = _e2m1_values(nibbles).reshape(BN, BK // 32, 32) * _e8m0_values(exponents.to(tl.int32))[:, :, None]
     return groups.reshape(BN, BK).to(MMA)
@@ -92,14 +96,16 @@ def _row_tile(a, rows, m_r, o_c, C):
 
 
 @triton.jit
-def _mxfp4_grouped_mm_kernel(a, packed, scale, offsets, tiles, out, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, TRANSPOSED: tl.constexpr, MMA: tl.constexpr):
+def _mxfp4_grouped_mm_kernel(a, packed, scale, offsets, tiles, out, N, K, packed_expert, packed_row, scale_expert,
+                             scale_row, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TRANSPOSED: tl.constexpr,
+                             MMA: tl.constexpr):
     expert = tl.load(tiles + 2 * tl.program_id(0))
     if expert < 0:  # a slot past the last expert's tiles
         return
     rows = tl.load(tiles + 2 * tl.program_id(0) + 1) + tl.arange(0, BM)
     m_r = (rows < tl.load(offsets + expert))[:, None]
     rows = rows.to(tl.int64)[:, None]
+    strides = (packed_expert, packed_row, scale_expert, scale_row)
     # "ieee": fp32 operands multiply in full fp32, not tf32 (bf16 operands are exact either way)
     if TRANSPOSED:  # out [S, K] = a [S, N] @ W_e: this program's BK columns, summed over N
         k0 = tl.program_id(1) * BK
@@ -107,13 +113,13 @@ def _mxfp4_grouped_mm_kernel(a, packed, scale, offsets, tiles, out, N, K, BM: tl
         acc = tl.zeros((BM, BK), dtype=tl.float32)
         for n0 in range(0, N, BN):
             o_n = n0 + tl.arange(0, BN)
-            w = _weight_tile(packed, scale, expert, o_n, k0, N, K, BN, BK, MMA)  # [BN, BK]
+            w = _weight_tile(packed, scale, strides, expert, o_n, k0, N, K, BN, BK, MMA)  # [BN, BK]
             acc = tl.dot(_row_tile(a, rows, m_r, o_n, N).to(MMA), w, acc, input_precision="ieee")
     else:  # out [S, N] = a [S, K] @ W_e^T: this program's BN columns, summed over K
         o_c, C = tl.program_id(1) * BN + tl.arange(0, BN), N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            w = _weight_tile(packed, scale, expert, o_c, k0, N, K, BN, BK, MMA)  # [BN, BK]
+            w = _weight_tile(packed, scale, strides, expert, o_c, k0, N, K, BN, BK, MMA)  # [BN, BK]
             a_tile = _row_tile(a, rows, m_r, k0 + tl.arange(0, BK), K).to(MMA)
             acc = tl.dot(a_tile, tl.trans(w), acc, input_precision="ieee")
     tl.store(out + rows * C + o_c[None, :], acc.to(out.dtype.element_ty), mask=m_r & (o_c < C)[None, :])
@@ -129,9 +135,9 @@ def _mxfp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     grid = (tiles.shape[0], triton.cdiv(out.shape[1], launch.block_k if transposed else launch.block_n))
     # bf16 operands for fp16 inputs too: fp16 cannot hold the decoded weights' range (2 ** (scale - 127))
     _mxfp4_grouped_mm_kernel[grid](
-        x, packed, scale, offsets, tiles, out, N, K, BM=launch.rows, BN=launch.block_n, BK=launch.block_k,
-        TRANSPOSED=transposed, MMA=tl.float32 if x.dtype == torch.float32 else tl.bfloat16, num_warps=launch.warps,
-        num_stages=launch.stages)
+        x, packed, scale, offsets, tiles, out, N, K, *packed.stride()[:2], *scale.stride()[:2], BM=launch.rows,
+        BN=launch.block_n, BK=launch.block_k, TRANSPOSED=transposed,
+        MMA=tl.float32 if x.dtype == torch.float32 else tl.bfloat16, num_warps=launch.warps, num_stages=launch.stages)
     return out
 
 
@@ -164,4 +170,10 @@ def mxfp4_grouped_mm_triton(x: torch.Tensor, weight: Mxfp4Weight, offsets: torch
     ``[E, N, K]``, offsets ``[E]`` int32 the end of each expert's rows (``offsets[-1] == S``; grouped_mm's ``offs``)
     -> ``[S, N]`` in x's dtype. fp32 sums of bf16 products (fp32 products for fp32 inputs); differentiable in x."""
     return op_for_call(mxfp4_grouped_mm_op, _mxfp4_grouped_mm)(
-        x.contiguous(), weight.packed.contiguous(), weight.scale.contiguous(), offsets.contiguous(), False)
+        x.contiguous(), *map(unit_last_stride, weight), offsets.contiguous(), False)
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its last dim is contiguous (the kernel takes any expert and row strides, e.g. the packed
+    bytes and scales of ``Mxfp4Weight.from_rows``, views of one tensor), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()

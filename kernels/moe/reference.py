@@ -97,6 +97,18 @@ class Mxfp4Weight(NamedTuple):
         E, N, half_K = self.packed.shape
         return torch.Size((E, N, 2 * half_K))
 
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> "Mxfp4Weight":
+        """Views of weights stored a row's packed bytes then its scales, ``[..., N, mxfp4_row_bytes(K)]`` uint8 (how
+        the model keeps experts mxfp4: one tensor per projection)."""
+        K = rows.shape[-1] * 32 // 17
+        return cls(rows[..., : K // 2], rows[..., K // 2 :])
+
+
+def mxfp4_row_bytes(K: int) -> int:
+    """Bytes of a K-weight row stored mxfp4: K / 2 packed, K / 32 scales (4.25 bits a weight)."""
+    return K // 2 + K // 32
+
 
 # The E2M1 value of each nibble: bit 3 is the sign, bits 0-2 index the magnitudes (nibble 8 is -0.0, as
 # compressed-tensors decodes it).
