@@ -10,8 +10,8 @@ scores. Each case is one ``grouped_experts`` call:
 - ``bf16``: the weights in bf16 (a model loaded with ``routed_expert_format="dense"``), the bf16 decoding of the same
   packed bytes, so every case computes with the same weights;
 - ``mxfp4``: the packed weights (``Mxfp4Weight``, 4.25 bits a weight), decoded in registers by the grouped kernel;
-- ``decode_then_bf16``: the packed weights decoded to bf16 by ``dequantize_mxfp4`` on every call, then the bf16
-  call: a packed model without a fused kernel.
+- ``decode_then_bf16``: the packed weights decoded to bf16 by the PyTorch reference (``dequantize_mxfp4``, a few
+  experts at a time) on every call, then the bf16 call: a packed model without a fused kernel.
 
 ``weight_GB``: the expert bytes a case reads once (2 bytes a weight, 17 / 32 packed; the third case also writes and
 reads the decoded copy); ``tok_per_s``: tokens over the forward time; ``rel_err``: the mxfp4 output against the bf16
@@ -60,6 +60,12 @@ def packed_weights(E, N, K, device, gen):
     return Mxfp4Weight(packed, scale)
 
 
+def decode(weight: Mxfp4Weight, dtype, experts_at_once: int = 16):
+    """``dequantize_mxfp4`` a few experts at a time (it decodes in fp32 through an int32 index: 8 bytes a weight)."""
+    return torch.cat([dequantize_mxfp4(p, s, dtype) for p, s in zip(weight.packed.split(experts_at_once),
+                                                                     weight.scale.split(experts_at_once))])
+
+
 def row(N, E, widths, dtype, device, timer):
     k, L, I = widths["k"], widths["latent"], widths["intermediate"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -69,7 +75,7 @@ def row(N, E, widths, dtype, device, timer):
     weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
     x = torch.randn(N, L, generator=gen, device=device, dtype=dtype).requires_grad_()
     grad_out = torch.randn(N, L, generator=gen, device=device, dtype=dtype)
-    decoded = tuple(dequantize_mxfp4(*w, dtype) for w in (gate_up, down))
+    decoded = tuple(decode(w, dtype) for w in (gate_up, down))
 
     def call(case):
         if case == "bf16":
@@ -77,7 +83,7 @@ def row(N, E, widths, dtype, device, timer):
         elif case == "mxfp4":
             experts = (gate_up, down)
         else:
-            experts = tuple(dequantize_mxfp4(*w, dtype) for w in (gate_up, down))
+            experts = tuple(decode(w, dtype) for w in (gate_up, down))
         return grouped_experts(x, index, weights, *experts, backend="triton", **CAPS)
 
     dense_bytes = 3 * E * I * L * dtype.itemsize
