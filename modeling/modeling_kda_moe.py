@@ -1186,9 +1186,14 @@ class KdaMoeExperts(nn.Module):
         return self.act_fn(gate, up)
 
     def check_whole_packed_experts(self) -> None:
-        """Experts kept mxfp4 run as one device's whole set: an expert-parallel shard (whose routes to other ranks
-        carry an id past its experts) or tensor-parallel weights would need transformers' implementations, which
-        read dense weights only."""
+        """Experts kept mxfp4 run as one device's whole set of frozen bytes: an expert-parallel shard (whose routes to
+        other ranks carry an id past its experts), tensor-parallel weights or an adapter on the weights (PEFT's
+        expert LoRA parametrizes them) would need dense weights."""
+        if parametrize.is_parametrized(self):
+            raise ValueError(
+                "Routed experts kept mxfp4 (routed_expert_format='mxfp4') are frozen bytes and take no adapter; load "
+                "the model with routed_expert_format='dense' to put LoRA on the experts, or target other modules."
+            )
         if (
             self.gate_up_proj.shape[0] != self.num_experts
             or getattr(self, "_is_expert_parallel", False)

@@ -119,10 +119,19 @@ def test_mxfp4_experts_need_input_widths_in_whole_scale_groups():
         KdaMoeTextConfig(routed_expert_format="mxfp4", moe_intermediate_size=64, routed_expert_hidden_size=48)
 
 
-def test_packed_experts_refuse_to_run_as_an_expert_parallel_shard(k3_mxfp4):
+class Identity(torch.nn.Module):
+    def forward(self, weight):
+        return weight
+
+
+@pytest.mark.parametrize("setup", ["expert_parallel_shard", "adapter"])
+def test_packed_experts_refuse_an_expert_parallel_shard_and_an_adapter(k3_mxfp4, setup):
     folder, _ = k3_mxfp4
     experts = sparse_experts(load(folder, "mxfp4"))[0]
-    experts._is_expert_parallel = True  # what transformers' expert-parallel plan marks a shard with
+    if setup == "adapter":  # how PEFT's expert LoRA wraps the weights
+        torch.nn.utils.parametrize.register_parametrization(experts, "gate_up_proj", Identity(), unsafe=True)
+    else:
+        experts._is_expert_parallel = True  # what transformers' expert-parallel plan marks a shard with
     hidden = torch.randn(3, experts.hidden_dim)
     index, weights = torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
     with pytest.raises(ValueError, match="routed_expert_format='dense'"):
