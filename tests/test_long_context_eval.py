@@ -58,6 +58,39 @@ def test_lm_eval_loads_the_written_tasks(tmp_path):
     assert task.doc_to_choice(doc) == written["choices"] and task.doc_to_target(doc) == written["label"]
 
 
+def test_lm_eval_hf_model_scores_our_saved_model_alike_at_batch_1_and_4_and_as_our_runner(tmp_path):
+    """lm-evaluation-harness's `hf` model (`HFLM`) loads a saved model of ours unchanged (the package registers the
+    Auto classes) and scores the suite's multiple-choice requests, built from the written task YAMLs as the harness
+    builds them: the same log-likelihoods with one request a batch and four (right-padded), and our runner's."""
+    lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
+    from conftest import tiny_model
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lc, tok = suite(), tokenizer()
+    folder = tmp_path / "model"
+    tiny_model(vocab_size=len(tok), pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    lc.write_suite(tmp_path / "suite", tok, lengths=[64, 96], count=2, tasks=("passkey", "kv_hops"))
+    manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path / "suite" / "tasks"), include_defaults=False)
+    tasks = manager.load(["kda_long_context"])["tasks"]
+    requests, docs = [], []
+    for task in tasks.values():
+        for doc in task.test_docs():
+            docs.append(doc)
+            context = task.doc_to_text(doc)
+            requests += [Instance("loglikelihood", doc, (context, task.config.target_delimiter + choice), 0)
+                         for choice in task.doc_to_choice(doc)]
+    assert len(requests) == 2 * 2 * 2 * lc.NUM_CHOICES
+    scored = {}
+    for batch_size in (1, 4):
+        lm = HFLM(pretrained=str(folder), backend="causal", batch_size=batch_size, device="cpu", dtype="float32")
+        scored[batch_size] = [loglik for loglik, _ in lm.loglikelihood(requests)]
+    assert scored[1] == pytest.approx(scored[4], abs=1e-4)
+    ours = [loglik for doc in docs for loglik in lc.choice_logliks(lm.model, tok, doc)]
+    assert scored[1] == pytest.approx(ours, abs=1e-4)
+
+
 @pytest.mark.parametrize("prefill_chunk", [65536, 16])
 def test_cached_choice_scoring_matches_full_sequence_loglikelihood(prefill_chunk):
     """The runner runs the context once, in forwards of `prefill_chunk` tokens, and continues each choice from a copy
