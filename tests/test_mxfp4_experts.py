@@ -136,3 +136,12 @@ def test_packed_experts_refuse_an_expert_parallel_shard_and_an_adapter(k3_mxfp4,
     index, weights = torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
     with pytest.raises(ValueError, match="routed_expert_format='dense'"):
         experts(hidden, index, weights)
+
+
+def test_packed_model_generates_the_dequantized_models_greedy_tokens(k3_mxfp4):
+    folder, _ = k3_mxfp4
+    packed, dense = load(folder, "mxfp4"), load(folder, "dense")
+    inputs = model_inputs()
+    greedy = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(packed.generate(**inputs, **greedy), dense.generate(**inputs, **greedy))
