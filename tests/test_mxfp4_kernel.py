@@ -99,6 +99,12 @@ def test_row_tiles_list_every_experts_rows_in_fixed_slots():
     assert tiles.dtype == torch.int32 and tiles.tolist() == expected
 
 
+def test_row_tiles_of_fewer_rows_than_experts_take_a_slot_per_row_at_most():
+    """A decoding step: 3 rows over 5 experts need cdiv(3, 16) + 3 slots, not one per expert."""
+    offsets = torch.tensor([0, 2, 2, 2, 3]).to(dev, torch.int32)  # expert 1: rows 0-1, expert 4: row 2
+    assert mxfp4.row_tiles(offsets, 3, 16).tolist() == [[1, 0], [4, 2], [-1, 0], [-1, 0]]
+
+
 @pytest.mark.parametrize("K", [64, 96])
 def test_output_and_gradient_match_the_reference_in_fp32(K):
     x, weight, offsets = mxfp4_inputs(K)

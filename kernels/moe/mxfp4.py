@@ -5,9 +5,9 @@
 program loads its weight tile as packed bytes and E8M0 scales, decodes it in fp32 registers and hands it to the
 tensor cores in the operand dtype, so the dense weight (3.8x the bytes in bf16) never exists in memory.
 
-The rows of every expert are cut into BM-row tiles that ``row_tiles`` lists on the device: ``cdiv(S, BM) + E`` slots
-whatever the routing, so the grid is fixed (slots, output column blocks) and nothing waits for the host. One kernel
-computes both orientations: ``x W_e^T`` ([S, K] -> [S, N]) and ``x W_e`` ([S, N] -> [S, K]), the gradient in x,
+The rows of every expert are cut into BM-row tiles that ``row_tiles`` lists on the device: ``cdiv(S, BM) + min(E, S)``
+slots whatever the routing, so the grid is fixed (slots, output column blocks) and nothing waits for the host. One
+kernel computes both orientations: ``x W_e^T`` ([S, K] -> [S, N]) and ``x W_e`` ([S, N] -> [S, K]), the gradient in x,
 from the same [BN, BK] weight tiles. Differentiable in x only: the packed weights are frozen bytes.
 """
 
@@ -40,13 +40,15 @@ def mxfp4_launch(dtype: torch.dtype) -> Mxfp4Launch:
 def row_tiles(offsets: torch.Tensor, S: int, tile_rows: int) -> torch.Tensor:
     """The ``tile_rows``-row tiles of every expert's rows, listed on the device without a host sync: ``[slots, 2]``
     int32 of (expert, first row) in expert order, then (-1, 0) for the unused slots. ``slots = cdiv(S, tile_rows) +
-    E`` bounds the tile count however the S rows are spread, so the size is fixed by the shapes."""
+    min(E, S)`` bounds the tile count however the S rows are spread (at most min(E, S) experts have rows, each a
+    partial tile at most), so the size is fixed by the shapes: a decoding step's few rows over hundreds of experts
+    launch a few programs, not one per expert."""
     E = offsets.numel()
     ends = offsets.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + tile_rows - 1) // tile_rows  # [E]
     tiles_end = tiles.cumsum(0)
-    slot = torch.arange(triton.cdiv(S, tile_rows) + E, device=offsets.device)
+    slot = torch.arange(triton.cdiv(S, tile_rows) + min(E, S), device=offsets.device)
     expert = torch.searchsorted(tiles_end, slot, right=True)  # [slots]: E past the last expert's tiles
     used = expert < E
     expert = expert.clamp(max=E - 1)
