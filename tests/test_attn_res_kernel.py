@@ -31,8 +31,9 @@ dev = "cpu" if INTERPRETED else "cuda"
 AMPLIFIED = 1e-5 if INTERPRETED else 1e-3
 EPS = 1e-6
 SHAPE = (2, 5)  # 10 token rows: not a multiple of the 4-row blocks
-# d = 40 in three slices (the last one partial), 10 rows in two backward programs
-SMALL_SLICES = mix_kernel.MixLaunch(rows=4, block_d=16, warps=1, backward_blocks=2)
+# 2-row tiles of 64 channels for d = 40 (24 masked), 10 rows in blocks of 2, three blocks a backward program (the second
+# program's last block past the rows)
+SMALL_TILES = mix_kernel.MixLaunch(rows=2, block_d=64, warps=1, backward_blocks=3)
 
 
 def mix_inputs(blocks, d, shape=SHAPE, dtype=torch.float32, blocks_dtype=None, seed=0):
@@ -53,11 +54,11 @@ def mix_and_grads(inputs, grad_out, backend, dtype=None):
     return (out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
 
 
-@pytest.mark.parametrize("launch", [None, SMALL_SLICES], ids=["default_launch", "three_slices"])
+@pytest.mark.parametrize("launch", [None, SMALL_TILES], ids=["default_launch", "small_tiles"])
 @pytest.mark.parametrize("blocks", [1, 3])
 def test_forward_and_gradients_match_the_reference_in_fp32(blocks, launch, monkeypatch):
     """The output and the gradients of partial, blocks, norm weight and query weight, against the fp32 reference and
-    the fp64 one, with d = 40 (not a multiple of the slice) and 10 rows (not a multiple of the row block)."""
+    the fp64 one, with d = 40 (not a power of two: masked channels) and 10 rows (not a multiple of the row block)."""
     if launch is not None:
         monkeypatch.setattr(mix_kernel, "mix_launch", lambda d: launch)
     inputs = mix_inputs(blocks, 40)
@@ -77,7 +78,7 @@ def test_bf16_outputs_round_the_fp32_result_once(blocks_dtype, monkeypatch):
     fp64 result (half a bf16 ulp is 2^-9; the fp32 math adds ~1e-6). The weight gradients stay fp32 (1e-5)."""
     if INTERPRETED:
         emulate_bf16(monkeypatch)
-    monkeypatch.setattr(mix_kernel, "mix_launch", lambda d: SMALL_SLICES)
+    monkeypatch.setattr(mix_kernel, "mix_launch", lambda d: SMALL_TILES)
     inputs = mix_inputs(3, 40, dtype=torch.bfloat16, blocks_dtype=blocks_dtype)
     grad_out = torch.randn(*SHAPE, 40, generator=torch.Generator().manual_seed(1)).to(dev)
     ours = mix_and_grads(inputs, grad_out.to(torch.bfloat16), "triton")
@@ -122,6 +123,17 @@ def test_bad_inputs_name_the_problem(problem, match):
     else:
         query_weight = query_weight[None]
     with pytest.raises(ValueError, match=match):
+        attn_res_mix(partial, blocks, norm_weight, query_weight, EPS, backend="triton")
+
+
+def test_rows_wider_than_the_kernels_take_are_refused_with_the_fix(monkeypatch):
+    """A program holds whole rows: past `MAX_MIX_WIDTH` channels an explicit Triton backend names the limit and the
+    reference (here a limit of 32 against d = 40)."""
+    import kda_moe.kernels.attn_res as attn_res
+
+    monkeypatch.setattr(attn_res, "MAX_MIX_WIDTH", 32)
+    partial, blocks, norm_weight, query_weight = (t.detach() for t in mix_inputs(2, 40))
+    with pytest.raises(ValueError, match=r"takes d <= 32, got d = 40; use backend=\"torch\""):
         attn_res_mix(partial, blocks, norm_weight, query_weight, EPS, backend="triton")
 
 

@@ -2,14 +2,18 @@
 
 ``attn_res_mix`` takes the blocks and the partial sum as they are (no concatenated copy) and runs the fused Triton
 forward and backward (``mix_kernel.py``) when ``backend`` resolves to ``"triton"`` (``"auto"``: on CUDA tensors with
-Triton installed; the model passes ``config.kernel_backend``), else the PyTorch reference (``reference.py``). Both
-compute in fp32 and give a row's output from that row alone.
+Triton installed and rows of at most ``MAX_MIX_WIDTH`` channels; the model passes ``config.kernel_backend``), else the
+PyTorch reference (``reference.py``). Both compute in fp32 and give a row's output from that row alone.
 """
 
 import torch
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
 from .reference import attn_res_mix as attn_res_mix_reference
+
+# The widest rows the Triton kernels take: a program holds whole rows in registers (16384 fp32 channels over 16
+# warps are 32 a thread per tile). K3's d is 7168.
+MAX_MIX_WIDTH = 16384
 
 if TRITON_AVAILABLE:
     from .mix_kernel import attn_res_mix_triton
@@ -33,9 +37,12 @@ def attn_res_mix(
     if norm_weight.shape != (d,) or query_weight.shape != (d,):
         raise ValueError(f"norm_weight and query_weight must be [d] = [{d}], got {tuple(norm_weight.shape)} and "
                          f"{tuple(query_weight.shape)}.")
-    if resolve_backend(backend, partial, blocks, norm_weight, query_weight) == "triton":
+    if resolve_backend(backend, partial, blocks, norm_weight, query_weight, supported=d <= MAX_MIX_WIDTH) == "triton":
+        if d > MAX_MIX_WIDTH:
+            raise ValueError(f"the Triton AttnRes mix holds whole rows in registers and takes d <= {MAX_MIX_WIDTH}, "
+                             f"got d = {d}; use backend=\"torch\" (or \"auto\", which picks it).")
         return attn_res_mix_triton(partial, blocks, norm_weight, query_weight, eps)
     return attn_res_mix_reference(partial, blocks, norm_weight, query_weight, eps)
 
 
-__all__ = ["attn_res_mix"]
+__all__ = ["MAX_MIX_WIDTH", "attn_res_mix"]

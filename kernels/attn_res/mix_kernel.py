@@ -1,15 +1,16 @@
 """Block AttnRes mix: Triton forward and backward.
 
-Each program takes ``rows`` token rows and reads the N blocks and the partial sum in place (no concatenated copy),
-looping over d in ``block_d`` slices, so K3's d = 7168 fits as well as d = 1024. The forward makes two passes over
-the sources: the first sums each source's squares and its dot product with the pseudo-query, the softmax over the
-N + 1 sources of every row follows, the second forms the weighted sum. It saves each row's weights and inverse RMS
-([N + 1, rows] fp32). The backward recomputes the dot products and the output gradient's product with each source in
-a first pass, then writes every source's gradient in a second; the pseudo-query's gradient (a sum over rows) goes to a
-per-program fp32 buffer [programs, d], summed afterwards in a fixed order. All math in fp32; the output in the partial
-sum's dtype, each source's gradient in that source's dtype (fp32 blocks and a bf16 partial sum under autocast are
-read as they are). A row's output depends on that row alone, the same wherever the row sits in the batch. Both
-directions are ``torch.library.custom_op``s with fake implementations.
+Every program holds whole token rows (``rows`` of them, all d channels in registers: 4 rows at d = 1024, one at K3's
+7168) and reads the N blocks and the partial sum in place (no concatenated copy). The forward reads each source once:
+its sum of squares and its dot product with the pseudo-query give its score, and an online softmax over the sources
+(a running maximum, the denominator and the weighted sum rescaled as it rises) forms the output as it goes; each
+row's softmax weights and inverse RMS ([N + 1, rows] fp32) are saved. The backward, ``backward_blocks`` row blocks a
+program, reads each source twice: its product with the output gradient and with the pseudo-query first, then, the
+scores' gradient known, it writes the source's gradient; the pseudo-query's gradient (a sum over rows) stays in
+registers and goes to a per-program fp32 buffer [programs, d], summed afterwards in a fixed order. All math in
+fp32; the output in the partial sum's dtype, each source's gradient in that source's dtype (fp32 blocks and a bf16
+partial sum under autocast are read as they are). A row's output depends on that row alone, the same wherever the
+row sits in the batch. Both directions are ``torch.library.custom_op``s with fake implementations.
 """
 
 from dataclasses import dataclass
@@ -24,18 +25,19 @@ class MixLaunch:
     """How the mix kernels are launched; ``mix_launch`` picks one per call."""
 
     rows: int  # token rows of every program (forward) and of every row block (backward)
-    block_d: int  # channels per loop step
+    block_d: int  # channels of a row tile: at least d (the whole row)
     warps: int  # warps per program
     backward_blocks: int  # row blocks per backward program: one partial pseudo-query gradient per blocks * rows rows
 
 
 def mix_launch(d: int) -> MixLaunch:
-    """4 rows a program, slices of up to 512 channels and a warp per 256 elements of a [rows, slice] tile: an fp32 tile
-    is then 8 registers a thread, and the sm_90 compile (benchmarks/compile_report.py) gives 48-63 registers in the
-    forward and 108-119 in the backward at d = 1024 and 7168, no spills, where 1024-channel slices on 4 warps take 255
-    in the backward. 32 rows per backward program keep the gradient buffer at 1/32 of a source. Not tuned on a GPU yet."""
-    rows, block_d = 4, min(triton.next_power_of_2(d), 512)
-    return MixLaunch(rows=rows, block_d=block_d, warps=max(1, rows * block_d // 256), backward_blocks=8)
+    """Whole rows, about 4096 channels a program (4 rows at d = 1024, one at 7168 in a 8192-wide tile) and a warp per
+    512 of them, so that a [rows, block_d] fp32 tile is 16 registers a thread; 32 rows a backward program keep the
+    pseudo-query's gradient buffer at 1/32 of a source. Not tuned on a GPU yet."""
+    block_d = triton.next_power_of_2(d)
+    rows = max(1, 4096 // block_d)
+    return MixLaunch(rows=rows, block_d=block_d, warps=min(16, max(1, rows * block_d // 512)),
+                     backward_blocks=max(1, 32 // rows))
 
 
 @triton.jit
@@ -60,8 +62,20 @@ def _store_source(grad_blocks, grad_partial, s, N, M, offsets, value, mask, D: t
 
 
 @triton.jit
-def _query_slice(norm_w, query_w, o_d, m_d):
-    """The pseudo-query's slice ``norm_w * query_w`` at channels o_d, fp32."""
+def _row_tile(block, M, ROWS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
+    """Rows ``block * ROWS ...`` of [M, D]: (their offsets [ROWS, BD], the mask of real rows and channels, the mask of
+    real rows [ROWS])."""
+    o_m = block * ROWS + tl.arange(0, ROWS)
+    o_d = tl.arange(0, BD)
+    m_m = o_m < M
+    return o_m.to(tl.int64)[:, None] * D + o_d[None, :], m_m[:, None] & (o_d < D)[None, :], m_m
+
+
+@triton.jit
+def _pseudo_query(norm_w, query_w, BD: tl.constexpr, D: tl.constexpr):
+    """``norm_w * query_w`` [BD] in fp32, zero past D."""
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
     return (tl.load(norm_w + o_d, mask=m_d, other=0.0).to(tl.float32)
             * tl.load(query_w + o_d, mask=m_d, other=0.0).to(tl.float32))
 
@@ -69,87 +83,68 @@ def _query_slice(norm_w, query_w, o_d, m_d):
 @triton.jit
 def _attn_res_fwd_kernel(blocks, partial, norm_w, query_w, out, weights, rstd, M, N, eps, D: tl.constexpr,
                          BD: tl.constexpr, ROWS: tl.constexpr, SP: tl.constexpr):
-    o_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    m_m = o_m < M
-    row = o_m.to(tl.int64)[:, None] * D  # [ROWS, 1]
+    offsets, m, m_m = _row_tile(tl.program_id(0), M, ROWS, BD, D)
+    q = _pseudo_query(norm_w, query_w, BD, D)
     o_s = tl.arange(0, SP)[None, :]  # [1, SP] source index; columns past N are padding
-    sum_sq = tl.zeros((ROWS, SP), dtype=tl.float32)
-    dot = tl.zeros((ROWS, SP), dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        o_d = d0 + tl.arange(0, BD)
-        m_d = o_d < D
-        q = _query_slice(norm_w, query_w, o_d, m_d)
-        m = m_m[:, None] & m_d[None, :]
-        for s in range(N + 1):
-            v = _load_source(blocks, partial, s, N, M, row + o_d[None, :], m, D)
-            sum_sq = tl.where(o_s == s, sum_sq + tl.sum(v * v, 1)[:, None], sum_sq)
-            dot = tl.where(o_s == s, dot + tl.sum(v * q[None, :], 1)[:, None], dot)
-    r = tl.rsqrt(sum_sq / D + eps)
-    logits = tl.where(o_s <= N, dot * r, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]  # [ROWS, SP]
+    scores = tl.full((ROWS, SP), float("-inf"), dtype=tl.float32)
+    r_all = tl.zeros((ROWS, SP), dtype=tl.float32)
+    top = tl.full((ROWS,), float("-inf"), dtype=tl.float32)  # the running maximum score
+    denominator = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BD), dtype=tl.float32)
+    for s in range(N + 1):
+        v = _load_source(blocks, partial, s, N, M, offsets, m, D)
+        r = tl.rsqrt(tl.sum(v * v, 1) / D + eps)
+        score = tl.sum(v * q[None, :], 1) * r
+        new_top = tl.maximum(top, score)
+        rescale = tl.exp(top - new_top)  # 0 for the first source
+        e = tl.exp(score - new_top)
+        denominator = denominator * rescale + e
+        acc = acc * rescale[:, None] + e[:, None] * v
+        top = new_top
+        scores = tl.where(o_s == s, score[:, None], scores)
+        r_all = tl.where(o_s == s, r[:, None], r_all)
+    tl.store(out + offsets, (acc / denominator[:, None]).to(out.dtype.element_ty), mask=m)
+    o_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     m_stats = m_m[:, None] & (o_s <= N)
-    tl.store(weights + o_s * M + o_m[:, None], p, mask=m_stats)
-    tl.store(rstd + o_s * M + o_m[:, None], r, mask=m_stats)
-    for d0 in range(0, D, BD):
-        o_d = d0 + tl.arange(0, BD)
-        m = m_m[:, None] & (o_d < D)[None, :]
-        acc = tl.zeros((ROWS, BD), dtype=tl.float32)
-        for s in range(N + 1):
-            v = _load_source(blocks, partial, s, N, M, row + o_d[None, :], m, D)
-            acc += tl.sum(tl.where(o_s == s, p, 0.0), 1)[:, None] * v
-        tl.store(out + row + o_d[None, :], acc.to(out.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _backward_slice(norm_w, query_w, grad_out, row, m_m, d0, D: tl.constexpr, BD: tl.constexpr):
-    """The backward's channel slice from d0, as both its passes take it: (channels o_d, their mask, the
-    pseudo-query's slice, the [rows, slice] mask, the output gradient's slice in fp32)."""
-    o_d = d0 + tl.arange(0, BD)
-    m_d = o_d < D
-    m = m_m[:, None] & m_d[None, :]
-    g = tl.load(grad_out + row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    return o_d, m_d, _query_slice(norm_w, query_w, o_d, m_d), m, g
+    tl.store(weights + o_s * M + o_m[:, None], tl.exp(scores - top[:, None]) / denominator[:, None], mask=m_stats)
+    tl.store(rstd + o_s * M + o_m[:, None], r_all, mask=m_stats)
 
 
 @triton.jit
 def _attn_res_bwd_kernel(blocks, partial, norm_w, query_w, weights, rstd, grad_out, grad_blocks, grad_partial,
                          grad_query_part, M, N, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
                          SP: tl.constexpr, ITERS: tl.constexpr):
+    q = _pseudo_query(norm_w, query_w, BD, D)
     o_s = tl.arange(0, SP)[None, :]
+    grad_q = tl.zeros((BD,), dtype=tl.float32)
     for it in range(ITERS):
-        o_m = (tl.program_id(0) * ITERS + it) * ROWS + tl.arange(0, ROWS)
-        m_m = o_m < M
-        row = o_m.to(tl.int64)[:, None] * D
+        block = tl.program_id(0) * ITERS + it
+        offsets, m, m_m = _row_tile(block, M, ROWS, BD, D)
+        o_m = block * ROWS + tl.arange(0, ROWS)
         m_stats = m_m[:, None] & (o_s <= N)
         p = tl.load(weights + o_s * M + o_m[:, None], mask=m_stats, other=0.0)  # [ROWS, SP]
         r = tl.load(rstd + o_s * M + o_m[:, None], mask=m_stats, other=0.0)
+        g = tl.load(grad_out + offsets, mask=m, other=0.0).to(tl.float32)
         grad_p = tl.zeros((ROWS, SP), dtype=tl.float32)  # output gradient . source
         dot = tl.zeros((ROWS, SP), dtype=tl.float32)  # source . pseudo-query
-        for d0 in range(0, D, BD):
-            o_d, m_d, q, m, g = _backward_slice(norm_w, query_w, grad_out, row, m_m, d0, D, BD)
-            for s in range(N + 1):
-                v = _load_source(blocks, partial, s, N, M, row + o_d[None, :], m, D)
-                grad_p = tl.where(o_s == s, grad_p + tl.sum(g * v, 1)[:, None], grad_p)
-                dot = tl.where(o_s == s, dot + tl.sum(v * q[None, :], 1)[:, None], dot)
-        grad_logit = p * (grad_p - tl.sum(p * grad_p, 1)[:, None])
-        # logit = r * (v . q) with r = rsqrt(mean(v^2) + eps): its gradient in v is r q - (v . q) r^3 v / D
-        coef_q = grad_logit * r
-        coef_v = -grad_logit * dot * r * r * r / D
-        for d0 in range(0, D, BD):
-            o_d, m_d, q, m, g = _backward_slice(norm_w, query_w, grad_out, row, m_m, d0, D, BD)
-            grad_q = tl.zeros((BD,), dtype=tl.float32)
-            for s in range(N + 1):
-                v = _load_source(blocks, partial, s, N, M, row + o_d[None, :], m, D)
-                pick = o_s == s
-                p_s = tl.sum(tl.where(pick, p, 0.0), 1)[:, None]
-                cq_s = tl.sum(tl.where(pick, coef_q, 0.0), 1)[:, None]
-                cv_s = tl.sum(tl.where(pick, coef_v, 0.0), 1)[:, None]
-                grad_v = p_s * g + cq_s * q[None, :] + cv_s * v
-                _store_source(grad_blocks, grad_partial, s, N, M, row + o_d[None, :], grad_v, m, D)
-                grad_q += tl.sum(cq_s * v, 0)
-            part = grad_query_part + tl.program_id(0) * D + o_d
-            tl.store(part, tl.load(part, mask=m_d, other=0.0) + grad_q, mask=m_d)
+        for s in range(N + 1):
+            v = _load_source(blocks, partial, s, N, M, offsets, m, D)
+            grad_p = tl.where(o_s == s, tl.sum(g * v, 1)[:, None], grad_p)
+            dot = tl.where(o_s == s, tl.sum(v * q[None, :], 1)[:, None], dot)
+        grad_score = p * (grad_p - tl.sum(p * grad_p, 1)[:, None])
+        # score = r * (v . q) with r = rsqrt(mean(v^2) + eps): its gradient in v is r q - (v . q) r^3 v / D
+        coef_q = grad_score * r
+        coef_v = -grad_score * dot * r * r * r / D
+        for s in range(N + 1):
+            v = _load_source(blocks, partial, s, N, M, offsets, m, D)
+            pick = o_s == s
+            p_s = tl.sum(tl.where(pick, p, 0.0), 1)[:, None]
+            cq_s = tl.sum(tl.where(pick, coef_q, 0.0), 1)[:, None]
+            cv_s = tl.sum(tl.where(pick, coef_v, 0.0), 1)[:, None]
+            _store_source(grad_blocks, grad_partial, s, N, M, offsets, p_s * g + cq_s * q[None, :] + cv_s * v, m, D)
+            grad_q += tl.sum(cq_s * v, 0)
+    o_d = tl.arange(0, BD)
+    tl.store(grad_query_part + tl.program_id(0) * D + o_d, grad_q, mask=o_d < D)
 
 
 def _mix_fwd(partial: torch.Tensor, blocks: torch.Tensor, norm_weight: torch.Tensor, query_weight: torch.Tensor,
@@ -185,7 +180,7 @@ def attn_res_mix_bwd_op(partial: torch.Tensor, blocks: torch.Tensor, norm_weight
     launch = mix_launch(D)
     grid = triton.cdiv(M, launch.rows * launch.backward_blocks)
     grad_partial, grad_blocks = torch.empty_like(partial), torch.empty_like(blocks)
-    grad_query_part = torch.zeros(grid, D, device=partial.device, dtype=torch.float32)
+    grad_query_part = torch.empty(grid, D, device=partial.device, dtype=torch.float32)
     _attn_res_bwd_kernel[(grid,)](
         blocks, partial, norm_weight, query_weight, weights, rstd, grad_out.contiguous(), grad_blocks, grad_partial,
         grad_query_part, M, N, D=D, BD=launch.block_d, ROWS=launch.rows, SP=triton.next_power_of_2(N + 1),
