@@ -621,7 +621,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
                     "routed_expert_format", "mxfp4",
                     f"mxfp4 experts keep one scale per {MXFP4_GROUP} weights along each input row, so the experts' "
                     f"input widths must be multiples of {MXFP4_GROUP}; {field} (the width of an expert's input) is "
-                    f"{width}. Use routed_expert_format='dense'",
+                    f"{width}; use routed_expert_format='dense'",
                 )  # fmt: skip
 
     def validate_routing(self):

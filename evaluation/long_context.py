@@ -289,7 +289,8 @@ def main(argv=None):
     without_tokenizer = model_folder is None or (
         model_folder.is_dir() and not (model_folder / "tokenizer_config.json").exists()
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(TOKENIZER_DIR if without_tokenizer else model_folder))
+    tokenizer_source = args.tokenizer or str(TOKENIZER_DIR if without_tokenizer else model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     if args.command == "write":
         for path in write_suite(args.out, tokenizer, args.lengths, args.count, tasks=args.tasks):
             print(path)

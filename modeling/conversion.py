@@ -263,6 +263,11 @@ class DequantizeMxfp4(ConversionOps):
         compressor, scheme = mxfp4_codec(getattr(config, "routed_expert_quantization", None))
         parameter = model.get_parameter(full_layer_name)
         kept_packed = parameter.dtype == torch.uint8
+        if kept_packed and scheme.weights.group_size != 32:
+            raise ValueError(
+                f"Experts kept mxfp4 take one scale per 32 weights, but the checkpoint's quantization_config groups "
+                f"{scheme.weights.group_size}; load them with routed_expert_format='dense'."
+            )
         check_whole_scale_groups(parameter, full_layer_name, scheme.weights.group_size, kept_packed)
         dtype = parameter.dtype  # the loader keeps a converter's output dtype
 
@@ -280,7 +285,9 @@ class DequantizeMxfp4(ConversionOps):
         }
 
 
-def check_whole_scale_groups(parameter: torch.Tensor, name: str, group_size: int, kept_packed: bool = False) -> None:
+def check_whole_scale_groups(
+    parameter: torch.Tensor, name: str, group_size: int, kept_packed: bool = False
+) -> None:
     """Refuse an expert parameter sharded inside its scale groups, before its mxfp4 weights are decoded.
 
     The loader hands each rank its slice of the stored `weight_packed` / `weight_scale` before `DequantizeMxfp4` runs,

@@ -62,8 +62,8 @@ from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_att
 from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
-from ..kernels.moe import (Mxfp4Weight, expert_loads, fits_decode_kernel, gated_activation, grouped_experts,
-                           moe_decode, mxfp4_row_bytes, top_k_routing)
+from ..kernels.moe import (Mxfp4Weight, dequantize_mxfp4, expert_loads, fits_decode_kernel, gated_activation,
+                           grouped_experts, moe_decode, mxfp4_row_bytes, top_k_routing)
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -1105,25 +1105,25 @@ PLAIN_EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 def with_expert_kernels(experts_class: type[nn.Module]) -> type[nn.Module]:
     """Class decorator over `@use_experts_implementation`: a call that `takes_decode_kernel` runs `moe_decode`'s
     Triton kernel, one that `takes_grouped_kernel` runs `grouped_experts`' Triton path, any other
-    `config.experts_implementation`'s forward. The choice is made inside the module call, so hooks on the experts
-    module (tensor / expert parallel plans, output recorders) run around either."""
+    `config.experts_implementation`'s forward. Experts kept mxfp4 run `grouped_experts`' Triton path where the kernel
+    backend resolves to Triton, else the eager loop over weights decoded for the call (`forward_packed`), whatever
+    `config.experts_implementation` says. The choice is made inside the module call, so hooks on the experts module
+    (tensor / expert parallel plans, output recorders) run around either."""
     implementation_forward = experts_class.forward
 
     @wraps(implementation_forward)
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        weights, backend = (self.gate_up_proj, self.down_proj), "triton"
-        if self.is_mxfp4:  # packed weights: only `grouped_experts` reads them, on either backend
-            self.check_whole_packed_experts()
-            expert_kernel, weights, backend = grouped_experts, tuple(map(Mxfp4Weight.from_rows, weights)), self.backend
-        elif self.takes_decode_kernel(hidden_states):
+        if self.is_mxfp4:
+            return self.forward_packed(hidden_states, top_k_index, top_k_weights)
+        if self.takes_decode_kernel(hidden_states):
             expert_kernel = moe_decode
         elif self.takes_grouped_kernel(hidden_states):
             expert_kernel = grouped_experts
         else:
             return implementation_forward(self, hidden_states, top_k_index, top_k_weights)
         return expert_kernel(
-            hidden_states, top_k_index, top_k_weights, *weights, activation=self.act_fn.kind,
-            gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend=backend,
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation=self.act_fn.kind,
+            gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
         )
 
     experts_class.forward = forward
@@ -1152,8 +1152,9 @@ class KdaMoeExperts(nn.Module):
         self.is_mxfp4 = config.routed_expert_format == "mxfp4"
         E, I, l = self.num_experts, self.intermediate_dim, self.hidden_dim
         if self.is_mxfp4:  # frozen bytes: each row's packed E2M1 values, then its E8M0 scales (`Mxfp4Weight.from_rows`)
-            self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, mxfp4_row_bytes(l), dtype=torch.uint8), False)
-            self.down_proj = nn.Parameter(torch.zeros(E, l, mxfp4_row_bytes(I), dtype=torch.uint8), False)
+            gate_up_bytes = torch.zeros(E, 2 * I, mxfp4_row_bytes(l), dtype=torch.uint8)
+            self.gate_up_proj = nn.Parameter(gate_up_bytes, requires_grad=False)
+            self.down_proj = nn.Parameter(torch.zeros(E, l, mxfp4_row_bytes(I), dtype=torch.uint8), requires_grad=False)
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, l))
             self.down_proj = nn.Parameter(torch.empty(E, l, I))
@@ -1165,19 +1166,14 @@ class KdaMoeExperts(nn.Module):
         return self.act_fn(gate, up)
 
     def check_whole_packed_experts(self) -> None:
-        """Experts kept mxfp4 run as one device's whole set of frozen bytes: an expert-parallel shard (whose routes to
-        other ranks carry an id past its experts), tensor-parallel weights or an adapter on the weights (PEFT's
-        expert LoRA parametrizes them) would need dense weights."""
+        """Experts kept mxfp4 run as one device's whole set of frozen bytes (`holds_every_expert_whole`): an adapter
+        on the weights (PEFT's expert LoRA parametrizes them) or a parallel layout would need dense weights."""
         if parametrize.is_parametrized(self):
             raise ValueError(
                 "Routed experts kept mxfp4 (routed_expert_format='mxfp4') are frozen bytes and take no adapter; load "
                 "the model with routed_expert_format='dense' to put LoRA on the experts, or target other modules."
             )
-        if (
-            self.gate_up_proj.shape[0] != self.num_experts
-            or getattr(self, "_is_expert_parallel", False)
-            or any(isinstance(weight, DTensor) for weight in (self.gate_up_proj, self.down_proj))
-        ):
+        if not self.holds_every_expert_whole():
             raise ValueError(
                 "Routed experts kept mxfp4 (routed_expert_format='mxfp4') run whole on each device; expert and tensor "
                 "parallelism need them dense: load the model with routed_expert_format='dense'."
@@ -1192,7 +1188,7 @@ class KdaMoeExperts(nn.Module):
         if (
             (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
             or parametrize.is_parametrized(self)
-            or self.gate_up_proj.shape[0] != self.num_experts
+            or not self.holds_every_expert_whole()
             or self.config._experts_implementation not in PLAIN_EXPERTS_IMPLEMENTATIONS
             or not fits_decode_kernel(hidden_states, *weights)  # at most MAX_DECODE_TOKENS tokens, matching dtypes
         ):
@@ -1204,15 +1200,34 @@ class KdaMoeExperts(nn.Module):
         weights that hold all E experts as plain tensors on every rank (not an expert-parallel shard, whose routes to
         other ranks carry an id past its experts: a shard's shape up to transformers 5.18, `_is_expert_parallel`
         from 5.19; nor tensor-parallel DTensors), and the kernel backend resolving to Triton for these tensors."""
-        weights = (self.gate_up_proj, self.down_proj)
-        if (
-            self.config._experts_implementation != "grouped_mm"
-            or self.gate_up_proj.shape[0] != self.num_experts
-            or getattr(self, "_is_expert_parallel", False)
-            or any(isinstance(weight, DTensor) for weight in weights)
-        ):
+        if self.config._experts_implementation != "grouped_mm" or not self.holds_every_expert_whole():
             return False
-        return resolve_backend(self.backend, hidden_states, *weights) == "triton"
+        return resolve_backend(self.backend, hidden_states, self.gate_up_proj, self.down_proj) == "triton"
+
+    def holds_every_expert_whole(self) -> bool:
+        """All E experts, as plain tensors: not an expert-parallel shard (whose routes to other ranks carry an id past
+        its experts: a shard's shape up to transformers 5.18, `_is_expert_parallel` from 5.19), nor tensor-parallel
+        DTensors. Our kernels take only these."""
+        return (
+            self.gate_up_proj.shape[0] == self.num_experts
+            and not getattr(self, "_is_expert_parallel", False)
+            and not any(isinstance(weight, DTensor) for weight in (self.gate_up_proj, self.down_proj))
+        )
+
+    def forward_packed(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Experts kept mxfp4: `grouped_experts`' Triton path, whose GEMMs decode the weights in registers, or (the
+        backend resolving to torch) the eager loop over the weights decoded for this call in the states' dtype."""
+        self.check_whole_packed_experts()
+        packed = (Mxfp4Weight.from_rows(self.gate_up_proj), Mxfp4Weight.from_rows(self.down_proj))
+        if resolve_backend(self.backend, hidden_states, self.gate_up_proj, self.down_proj) == "triton":
+            return grouped_experts(
+                hidden_states, top_k_index, top_k_weights, *packed, activation=self.act_fn.kind,
+                gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
+            )
+        decoded = (dequantize_mxfp4(*weight, hidden_states.dtype) for weight in packed)
+        return self.loop_over_experts(hidden_states, top_k_index, top_k_weights, *decoded)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -1224,6 +1239,17 @@ class KdaMoeExperts(nn.Module):
         """
         if torch.compiler.is_compiling():
             return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return self.loop_over_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+    def loop_over_experts(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+    ) -> torch.Tensor:
+        """The eager loop over the experts that got tokens (read on the host), with weights [E, 2I, l] / [E, l, I]."""
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # Under expert parallelism `num_experts` counts this rank's experts, and the routes to other ranks' experts
@@ -1231,8 +1257,8 @@ class KdaMoeExperts(nn.Module):
             expert_hit = expert_loads(top_k_index, self.num_experts + 1)[:-1].nonzero().flatten().tolist()
         for expert_idx in expert_hit:
             token_idx, top_k_pos = torch.where(top_k_index == expert_idx)
-            gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
-            expert_out = F.linear(self._apply_gate(gate_up), self.down_proj[expert_idx])
+            gate_up = F.linear(hidden_states[token_idx], gate_up_proj[expert_idx])
+            expert_out = F.linear(self._apply_gate(gate_up), down_proj[expert_idx])
             expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
         return final_hidden_states
@@ -1542,13 +1568,14 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         if layout is None:
             layout = checkpoint_layout(self) if original_format else "kda_moe"
         if self.config.get_text_config().routed_expert_format == "mxfp4" and layout != "kda_moe":
-            if layout == "kimi_linear" or quantize_experts not in (None, "mxfp4"):
+            if layout == "kimi_linear":
                 raise ValueError(
-                    f"This model keeps its routed experts mxfp4 (routed_expert_format='mxfp4'), which the {layout} "
+                    "This model keeps its routed experts mxfp4 (routed_expert_format='mxfp4'), which the kimi_linear "
                     "layout cannot store; write layout='kimi_k3' (mxfp4 experts) or 'kda_moe', or load the model with "
                     "routed_expert_format='dense'."
                 )
-            as_loaded, quantize_experts = False, "mxfp4"  # the experts' packed bytes, written as they are
+            as_loaded = False
+            quantize_experts = quantize_experts or "mxfp4"  # the experts' packed bytes, written as they are
         # as loaded: the very conversions loading applied (transformers' in-memory Kimi Linear names included)
         conversions = self._weight_conversions if as_loaded else layout_conversions(self, layout, quantize_experts)
         published_config = layout_config_dict(self, layout, quantize_experts)  # raises before anything is written

@@ -124,8 +124,8 @@ class Identity(torch.nn.Module):
         return weight
 
 
-@pytest.mark.parametrize("setup", ["expert_parallel_shard", "adapter"])
-def test_packed_experts_refuse_an_expert_parallel_shard_and_an_adapter(k3_mxfp4, setup):
+@pytest.mark.parametrize("setup,refusal", [("expert_parallel_shard", "run whole"), ("adapter", "take no adapter")])
+def test_packed_experts_refuse_an_expert_parallel_shard_and_an_adapter(k3_mxfp4, setup, refusal):
     folder, _ = k3_mxfp4
     experts = sparse_experts(load(folder, "mxfp4"))[0]
     if setup == "adapter":  # how PEFT's expert LoRA wraps the weights
@@ -134,8 +134,18 @@ def test_packed_experts_refuse_an_expert_parallel_shard_and_an_adapter(k3_mxfp4,
         experts._is_expert_parallel = True  # what transformers' expert-parallel plan marks a shard with
     hidden = torch.randn(3, experts.hidden_dim)
     index, weights = torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
-    with pytest.raises(ValueError, match="routed_expert_format='dense'"):
+    with pytest.raises(ValueError, match=f"{refusal}.*routed_expert_format='dense'"):
         experts(hidden, index, weights)
+
+
+def test_packed_experts_stay_bytes_under_a_dtype_cast_and_refuse_the_kimi_linear_layout(k3_mxfp4, tmp_path):
+    folder, _ = k3_mxfp4
+    packed = load(folder, "mxfp4").to(torch.bfloat16)
+    assert all(experts.gate_up_proj.dtype == torch.uint8 for experts in sparse_experts(packed))
+    with torch.no_grad():
+        assert torch.isfinite(packed(**model_inputs()).logits).all()
+    with pytest.raises(ValueError, match="kimi_linear layout cannot store"):
+        packed.save_pretrained(tmp_path / "kl", layout="kimi_linear")
 
 
 def test_packed_model_generates_the_dequantized_models_greedy_tokens(k3_mxfp4):

@@ -101,6 +101,11 @@ class Mxfp4Weight(NamedTuple):
     def from_rows(cls, rows: torch.Tensor) -> "Mxfp4Weight":
         """Views of weights stored a row's packed bytes then its scales, ``[..., N, mxfp4_row_bytes(K)]`` uint8 (how
         the model keeps experts mxfp4: one tensor per projection)."""
+        if rows.dtype != torch.uint8 or rows.shape[-1] % 17:
+            raise ValueError(
+                f"mxfp4 rows must be uint8 [..., N, K / 2 + K / 32] (K a multiple of 32: a multiple of 17 bytes), got "
+                f"{rows.dtype} {tuple(rows.shape)}."
+            )
         K = rows.shape[-1] * 32 // 17
         return cls(rows[..., : K // 2], rows[..., K // 2 :])
 
