@@ -3,7 +3,8 @@ compressed-tensors packed, 4.25 bits a weight, the logits and gradients of the m
 the Triton grouped kernel's path equal to the PyTorch one, and the published layout written back byte for byte.
 
 The K3 folders come from test_k3_layout.py's writer (the published tensor names, experts packed by compressed-tensors
-itself). fp32 tolerance 1e-5 relative: both models compute in fp32 from the same decoded weights, in other orders."""
+itself). fp32 tolerances 1e-5 (logits) and 1e-4 of a gradient's norm: both models compute in fp32 from the same decoded
+weights, in other orders."""
 
 import json
 import os
@@ -76,8 +77,11 @@ def test_gradients_through_frozen_packed_experts_match_the_dequantized_model(k3_
         model(**inputs, labels=inputs["input_ids"]).loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
     assert set(grads[0]) == set(grads[1]) and any("latent_down_proj" in name for name in grads[0])
+    # The packed model's CPU path loops over the experts, the dense one runs transformers' grouped GEMMs: fp32 sums in
+    # other orders, whose differences multi-threaded GEMMs carry back through every layer (up to 9e-6 of a gradient's
+    # norm measured with 2 threads, 0 with 1).
     for name, grad in grads[0].items():
-        torch.testing.assert_close(grad, grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert ((grad - grads[1][name]).norm() / grads[1][name].norm()).item() < 1e-4, name
 
 
 @pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
