@@ -31,6 +31,7 @@ from transformers.utils import logging
 from ..compat import CACHE_NAME, EXPERTS_EP_PLAN, EXPERTS_TP_PLAN, ConfigValidationError, finish_strict_config
 from ..kernels.backend import BACKENDS as KERNEL_BACKENDS
 from ..kernels.kda.tile_limits import SAFE_LOWER_BOUND
+from ..kernels.moe.reference import MXFP4_GROUP
 
 logger = logging.get_logger(__name__)
 
@@ -40,7 +41,6 @@ HIDDEN_ACTS = ("silu", "situ")
 ROUTER_BALANCING = ("quantile", "bias_sign", "none")
 ROUTER_BIAS_UPDATES = ("backward", "optimizer_step")
 ROUTED_EXPERT_FORMATS = ("dense", "mxfp4")
-MXFP4_GROUP = 32  # weights per E8M0 scale in the mxfp4 format
 GATE_LOWER_BOUND_MIN = -SAFE_LOWER_BOUND  # further down, the chunked KDA kernel's diagonal tiles leave the GEMMs
 
 # Kimi Linear semantics for the K3 features a Kimi Linear config does not mention.

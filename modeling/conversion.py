@@ -84,7 +84,7 @@ from transformers.core_model_loading import (
 
 from ..configuration import KdaMoeConfig, KdaMoeTextConfig, KdaMoeVisionConfig
 from ..distributed.sharded_loading import on_whole_tensors
-from ..kernels.moe import Mxfp4Weight
+from ..kernels.moe import MXFP4_GROUP, Mxfp4Weight
 
 # K3 stores `A_log` zero-padded to a multiple of this many heads (96 real heads in 128 slots).
 K3_HEAD_PAD = 128
@@ -263,10 +263,10 @@ class DequantizeMxfp4(ConversionOps):
         compressor, scheme = mxfp4_codec(getattr(config, "routed_expert_quantization", None))
         parameter = model.get_parameter(full_layer_name)
         kept_packed = parameter.dtype == torch.uint8
-        if kept_packed and scheme.weights.group_size != 32:
+        if kept_packed and scheme.weights.group_size != MXFP4_GROUP:
             raise ValueError(
-                f"Experts kept mxfp4 take one scale per 32 weights, but the checkpoint's quantization_config groups "
-                f"{scheme.weights.group_size}; load them with routed_expert_format='dense'."
+                f"Experts kept mxfp4 take one scale per {MXFP4_GROUP} weights, but the checkpoint's "
+                f"quantization_config groups {scheme.weights.group_size}; load them with routed_expert_format='dense'."
             )
         check_whole_scale_groups(parameter, full_layer_name, scheme.weights.group_size, kept_packed)
         dtype = parameter.dtype  # the loader keeps a converter's output dtype

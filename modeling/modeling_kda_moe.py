@@ -1135,7 +1135,7 @@ def with_expert_kernels(experts_class: type[nn.Module]) -> type[nn.Module]:
 class KdaMoeExperts(nn.Module):
     """E routed experts stored fused: `gate_up_proj` [E, 2I, l] and `down_proj` [E, l, I] (l = expert width); with
     `config.routed_expert_format="mxfp4"`, the same rows packed as uint8 (`[E, 2I, l / 2 + l / 32]`, `[E, l, I / 2 +
-    I / 32]`: 4.25 bits a weight), which `grouped_experts` reads on either backend.
+    I / 32]`: 4.25 bits a weight), which only `forward_packed` reads.
 
     `config.experts_implementation` picks this eager loop or transformers' batched / grouped GEMMs; all of them call
     `_apply_gate`, so SiTU-GLU is used everywhere. On the Triton backend two of our kernels take over: decoding (a few
@@ -1197,9 +1197,8 @@ class KdaMoeExperts(nn.Module):
 
     def takes_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
         """Whether this call runs `grouped_experts`' Triton path: `config.experts_implementation == "grouped_mm"`,
-        weights that hold all E experts as plain tensors on every rank (not an expert-parallel shard, whose routes to
-        other ranks carry an id past its experts: a shard's shape up to transformers 5.18, `_is_expert_parallel`
-        from 5.19; nor tensor-parallel DTensors), and the kernel backend resolving to Triton for these tensors."""
+        weights that hold all E experts as plain tensors (`holds_every_expert_whole`), and the kernel backend resolving
+        to Triton for these tensors."""
         if self.config._experts_implementation != "grouped_mm" or not self.holds_every_expert_whole():
             return False
         return resolve_backend(self.backend, hidden_states, self.gate_up_proj, self.down_proj) == "triton"

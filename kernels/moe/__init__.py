@@ -7,7 +7,7 @@ import torch
 from ..backend import TRITON_AVAILABLE, resolve_backend
 from .limits import KERNEL_DTYPES, MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
 from .reference import (ACTIVATIONS, Mxfp4Weight, dequantize_mxfp4, expert_loads, gated_activation,
-                        mxfp4_grouped_mm_reference, mxfp4_row_bytes, routed_experts, sigmoid_top_k)
+                        MXFP4_GROUP, mxfp4_grouped_mm_reference, mxfp4_row_bytes, routed_experts, sigmoid_top_k)
 
 if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
@@ -144,16 +144,16 @@ def _check_mxfp4_inputs(x, weight, offsets):
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"x must be one of {KERNEL_DTYPES}, got {x.dtype}.")
     K = x.shape[1]
-    if K % 32:
+    if K % MXFP4_GROUP:
         raise ValueError(
-            f"x's width K = {K} must be a multiple of 32: mxfp4 stores one scale per 32 weights along K. Pad x with "
-            f"zero columns and the weights with zeros to K = {32 * -(-K // 32)}."
+            f"x's width K = {K} must be a multiple of {MXFP4_GROUP}: mxfp4 stores one scale per {MXFP4_GROUP} weights "
+            f"along K. Pad x with zero columns and the weights with zeros to K = {MXFP4_GROUP * -(-K // MXFP4_GROUP)}."
         )
     E, N = packed.shape[:2]
-    if packed.shape != (E, N, K // 2) or scale.shape != (E, N, K // 32):
+    if packed.shape != (E, N, K // 2) or scale.shape != (E, N, K // MXFP4_GROUP):
         raise ValueError(
             f"weight.packed must be [E, N, K / 2] = {(E, N, K // 2)} and weight.scale [E, N, K / 32] = "
-            f"{(E, N, K // 32)} for x of width K = {K}, got {tuple(packed.shape)} and {tuple(scale.shape)}."
+            f"{(E, N, K // MXFP4_GROUP)} for x of width K = {K}, got {tuple(packed.shape)} and {tuple(scale.shape)}."
         )
     if offsets.shape != (E,) or offsets.dtype != torch.int32:
         raise ValueError(
@@ -178,6 +178,7 @@ def mxfp4_grouped_mm(x: torch.Tensor, weight: Mxfp4Weight, offsets: torch.Tensor
 
 __all__ = [
     "MAX_DECODE_TOKENS",
+    "MXFP4_GROUP",
     "Mxfp4Weight",
     "dequantize_mxfp4",
     "expert_loads",

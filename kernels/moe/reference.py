@@ -84,9 +84,12 @@ def expert_loads(topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, indices, torch.ones_like(indices))
 
 
+MXFP4_GROUP = 32  # weights per E8M0 scale along a row, as the mxfp4 format fixes it
+
+
 class Mxfp4Weight(NamedTuple):
     """Expert weights ``[E, N, K]`` (out, in) as compressed-tensors' ``mxfp4-pack-quantized`` format stores them: two
-    E2M1 values a byte along K, and one E8M0 scale (a power of two) per 32 consecutive weights along K."""
+    E2M1 values a byte along K, and one E8M0 scale (a power of two) per ``MXFP4_GROUP`` consecutive weights along K."""
 
     packed: torch.Tensor  # [E, N, K // 2] uint8: element 2j is the low nibble of byte j, element 2j + 1 the high one
     scale: torch.Tensor  # [E, N, K // 32] uint8: the group's weights are e2m1 * 2 ** (scale - 127)
@@ -101,18 +104,19 @@ class Mxfp4Weight(NamedTuple):
     def from_rows(cls, rows: torch.Tensor) -> "Mxfp4Weight":
         """Views of weights stored a row's packed bytes then its scales, ``[..., N, mxfp4_row_bytes(K)]`` uint8 (how
         the model keeps experts mxfp4: one tensor per projection)."""
-        if rows.dtype != torch.uint8 or rows.shape[-1] % 17:
+        group_bytes = mxfp4_row_bytes(MXFP4_GROUP)  # 17: 16 packed, 1 scale
+        if rows.dtype != torch.uint8 or rows.shape[-1] % group_bytes:
             raise ValueError(
-                f"mxfp4 rows must be uint8 [..., N, K / 2 + K / 32] (K a multiple of 32: a multiple of 17 bytes), got "
-                f"{rows.dtype} {tuple(rows.shape)}."
+                f"mxfp4 rows must be uint8 [..., N, K / 2 + K / 32] (K a multiple of 32: a multiple of {group_bytes} "
+                f"bytes), got {rows.dtype} {tuple(rows.shape)}."
             )
-        K = rows.shape[-1] * 32 // 17
+        K = rows.shape[-1] // group_bytes * MXFP4_GROUP
         return cls(rows[..., : K // 2], rows[..., K // 2 :])
 
 
 def mxfp4_row_bytes(K: int) -> int:
     """Bytes of a K-weight row stored mxfp4: K / 2 packed, K / 32 scales (4.25 bits a weight)."""
-    return K // 2 + K // 32
+    return K // 2 + K // MXFP4_GROUP
 
 
 # The E2M1 value of each nibble: bit 3 is the sign, bits 0-2 index the magnitudes (nibble 8 is -0.0, as
@@ -129,7 +133,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[nibbles.int()]
     # 2 ** (scale - 127) written as fp32 bits: the exponent field, or the subnormal 2 ** -127 for scale 0
     powers = torch.where(scale > 0, scale.int() << 23, 1 << 22).view(torch.float32)  # [..., N, K / 32]
-    return (values.unflatten(-1, (-1, 32)) * powers[..., None]).flatten(-2).to(dtype)
+    return (values.unflatten(-1, (-1, MXFP4_GROUP)) * powers[..., None]).flatten(-2).to(dtype)
 
 
 def mxfp4_grouped_mm_reference(x: torch.Tensor, weight: Mxfp4Weight, offsets: torch.Tensor) -> torch.Tensor:
