@@ -31,7 +31,7 @@ SMALL_TILES = mxfp4.Mxfp4Launch(rows=16, block_n=16, block_k=64, warps=1, stages
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """16-row, 16-column tiles and 64-wide K steps: K = 96 ends in a partial step, and the interpreter stays fast."""
-    monkeypatch.setattr(mxfp4, "mxfp4_launch", lambda dtype: SMALL_TILES)
+    monkeypatch.setattr(mxfp4, "mxfp4_launch", lambda *args: SMALL_TILES)
 
 
 def compressed_tensors_codec():
@@ -63,9 +63,9 @@ def test_dequantize_matches_compressed_tensors_on_every_byte_and_scale():
 def test_dequantize_matches_compressed_tensors_on_weights_it_compressed():
     """Weights of magnitudes 2^-100 to 2^100, one magnitude per scale group, quantized and packed by
     compressed-tensors (as modeling/conversion.py writes a checkpoint), decode to the same bits."""
+    compressor, scheme = compressed_tensors_codec()
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-    compressor, scheme = compressed_tensors_codec()
     gen = torch.Generator().manual_seed(0)
     magnitudes = 2.0 ** torch.randint(-100, 101, (3, 8, 3, 1), generator=gen)  # one per scale group
     weights = (torch.randn(3, 8, 3, 32, generator=gen) * magnitudes).flatten(-2)  # [3, 8, 96]

@@ -30,11 +30,21 @@ class Mxfp4Launch:
     stages: int  # software-pipelining depth of the reduction loop
 
 
-def mxfp4_launch(dtype: torch.dtype) -> Mxfp4Launch:
-    """64 x 64 x 64 tiles on 4 warps; 3 stages for bf16 / fp16 inputs, 1 (no pipelining) for fp32, whose fp32 products
-    run on FMA units (2 stages spill 5 KB a thread in the sm_90 compile report; 1 stage fits in 128 registers). Not
-    tuned on a GPU yet."""
-    return Mxfp4Launch(rows=64, block_n=64, block_k=64, warps=4, stages=1 if dtype == torch.float32 else 3)
+def mxfp4_launch(dtype: torch.dtype, transposed: bool, rows_per_expert: float) -> Mxfp4Launch:
+    """The launch measured fastest at K3's expert widths on an H100 (the sweep is in ``benchmarks/PERFORMANCE.md``).
+
+    Every weight tile is decoded once per row tile, so row tiles as tall as the experts' rows allow pay it the fewest
+    times: bf16 / fp16 ``x W^T`` takes 256-row tiles once the experts average 128 rows, 128-row tiles below; ``x W``
+    (the gradient in x, reduced over the weight rows) takes 128 x 128 x 128 tiles on 8 warps. fp32 inputs, whose fp32
+    products run on FMA units, keep 64 x 64 x 64 tiles unpipelined (2 stages spill 5 KB a thread in the sm_90 compile
+    report; 1 stage fits in 128 registers)."""
+    if dtype == torch.float32:
+        return Mxfp4Launch(rows=64, block_n=64, block_k=64, warps=4, stages=1)
+    if transposed:
+        return Mxfp4Launch(rows=128, block_n=128, block_k=128, warps=8, stages=3)
+    if rows_per_expert >= 128:
+        return Mxfp4Launch(rows=256, block_n=128, block_k=64, warps=8, stages=3)
+    return Mxfp4Launch(rows=128, block_n=64, block_k=64, warps=4, stages=3)
 
 
 def row_tiles(offsets: torch.Tensor, S: int, tile_rows: int) -> torch.Tensor:
@@ -131,7 +141,7 @@ def _mxfp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
                       transposed: bool) -> torch.Tensor:
     S = x.shape[0]
     N, K = packed.shape[1], 2 * packed.shape[2]
-    launch = mxfp4_launch(x.dtype)
+    launch = mxfp4_launch(x.dtype, transposed, S / offsets.numel())
     tiles = row_tiles(offsets, S, launch.rows)
     out = x.new_empty(S, K if transposed else N)
     grid = (tiles.shape[0], triton.cdiv(out.shape[1], launch.block_k if transposed else launch.block_n))
