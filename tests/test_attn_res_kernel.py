@@ -75,7 +75,9 @@ def test_forward_and_gradients_match_the_reference_in_fp32(blocks, launch, monke
 def test_bf16_outputs_round_the_fp32_result_once(blocks_dtype, monkeypatch):
     """bf16 sources (and fp32 blocks with a bf16 partial sum, as under autocast): fp32 math from the sources' values,
     one rounding of each output and source gradient to its dtype, so every element lies within 2^-8 relative of the
-    fp64 result (half a bf16 ulp is 2^-9; the fp32 math adds ~1e-6). The weight gradients stay fp32 (1e-5)."""
+    fp64 result (half a bf16 ulp is 2^-9) plus the fp32 math's error, 2^-20 of the largest element (a sum of terms
+    of either sign errs relative to its terms, not to a result that cancels to near zero). The weight gradients stay
+    fp32 (1e-5)."""
     if INTERPRETED:
         emulate_bf16(monkeypatch)
     monkeypatch.setattr(mix_kernel, "mix_launch", lambda d: SMALL_TILES)
@@ -84,8 +86,10 @@ def test_bf16_outputs_round_the_fp32_result_once(blocks_dtype, monkeypatch):
     ours = mix_and_grads(inputs, grad_out.to(torch.bfloat16), "triton")
     exact = mix_and_grads(inputs, grad_out.to(torch.bfloat16), None, torch.float64)
     assert [t.dtype for t in ours] == [torch.bfloat16, torch.bfloat16, blocks_dtype, torch.float32, torch.float32]
-    for a, b in zip(ours[:3], exact[:3]):
-        assert ((a.double() - b).abs() <= 2 ** -8 * b.abs() + 1e-30).all()
+    for name, a, b in zip(("out", "partial", "blocks"), ours[:3], exact[:3]):
+        excess = (a.double() - b).abs() - (2 ** -8 * b.abs() + 2 ** -20 * b.abs().max())
+        worst = excess.argmax()
+        assert excess.max() <= 0, (name, a.flatten()[worst].item(), b.flatten()[worst].item())
     for a, b in zip(ours[3:], exact[3:]):
         assert rel(a, b) < 1e-5
 
