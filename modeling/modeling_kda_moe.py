@@ -282,12 +282,27 @@ def eager_attention_forward(
 MLA_LATENT_NORM_EPS = 1e-6
 
 
+def absorbed_attention_max_tokens(config: KdaMoeTextConfig) -> float:
+    """Up to how many new tokens over cached keys the absorbed MLA form costs fewer FLOPs than the expanded one.
+
+    Per head, a (query, key) pair costs 2 kv_lora + rope multiply-adds absorbed (scores over the latent and rope key,
+    the latent as value) and nope + rope + v expanded, whose keys cost kv_lora (nope + v) each to expand once. So T new
+    tokens over S keys favour the absorbed form while T (2 kv_lora - nope - v) < kv_lora (nope + v): 85 tokens at the
+    benchmarks' widths (256 / 64 / 64), 171 at DeepSeek-V3's and K3's (512 / 128 / 128); always where the latent is
+    no wider than the heads."""
+    extra_per_pair = 2 * config.kv_lora_rank - config.qk_nope_head_dim - config.v_head_dim
+    if extra_per_pair <= 0:
+        return math.inf
+    return config.kv_lora_rank * (config.qk_nope_head_dim + config.v_head_dim) / extra_per_pair
+
+
 class KdaMoeAttention(nn.Module):
     """Gated MLA. The cache holds only the compressed latent (`kv_lora_rank` + `qk_rope_head_dim` per token).
 
-    Prefill expands the latent into per-head keys and values. Decoding and prefill chunks that continue a cache use
-    the absorbed form: `W_UK` is folded into the query and `W_UV` into the output, so attention runs as one-head
-    MQA straight over the latent cache and a step never materialises per-head keys. Under SDPA, unpadded chunks of
+    Prefill expands the latent into per-head keys and values, and so do long prefill chunks that continue a cache.
+    Decoding and short chunks (`absorbed_attention_max_tokens`) use the absorbed form: `W_UK` is folded into the
+    query and `W_UV` into the output, so attention runs as one-head MQA straight over the latent cache and a step
+    never materialises per-head keys. Under SDPA, unpadded chunks of
     several tokens over a dynamic cache get a `LowerRightCausalBias` for a mask, never a [T, S] tensor. On the Triton
     backend a decoding step's attention is one kernel (`mla_decode_attention`) that reads each cache tile once for a
     block of heads.
@@ -322,6 +337,7 @@ class KdaMoeAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.g_proj = nn.Linear(hidden, heads * self.v_head_dim, bias=False) if config.mla_use_output_gate else None
         self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
+        self.absorbed_max_tokens = absorbed_attention_max_tokens(config)
 
     def decodes_with_kernel(
         self, seq_len: int, latent: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
@@ -374,11 +390,16 @@ class KdaMoeAttention(nn.Module):
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, self.layer_idx)  # [B, 1, S, kv_lora], [B, 1, S, rope]
         kv_len = latent.shape[2]
-        # The absorbed form once the keys reach beyond this forward's tokens: decoding, and every forward on a static
-        # cache (S = max_cache_len), whose unfilled positions would cost a kv_b_proj expansion each. It reads
-        # kv_b_proj's weight directly, so it is used only when that weight is the plain nn.Linear one (an adapter
-        # wrapped around kv_b_proj, e.g. LoRA, keeps the expanded form).
-        absorbed = kv_len > seq_len and type(self.kv_b_proj) is nn.Linear
+        # The absorbed form once the keys reach beyond this forward's tokens, for as many new tokens as it is the
+        # cheaper one (`absorbed_attention_max_tokens`: decoding, speculative windows, short chunks; longer prefill
+        # chunks expand the cache instead), and always under context parallelism, whose gathered keys span the whole
+        # sequence. It reads kv_b_proj's weight directly, so it is used only when that weight is the plain nn.Linear
+        # one (an adapter wrapped around kv_b_proj, e.g. LoRA, keeps the expanded form).
+        absorbed = (
+            kv_len > seq_len
+            and (seq_len <= self.absorbed_max_tokens or sequence_shard is not None)
+            and type(self.kv_b_proj) is nn.Linear
+        )
 
         if absorbed:
             with onloaded_weights(self.kv_b_proj):

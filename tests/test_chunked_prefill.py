@@ -116,6 +116,29 @@ def test_cache_after_chunked_prefill_matches_one_forward(model, chunk_size, padd
     torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [20, 30])
+def test_a_chunk_over_a_cache_takes_the_cheaper_mla_form_and_the_same_logits(model, chunk_size):
+    """`absorbed_attention_max_tokens` is 24 at the tiny widths (kv_lora 12, nope 8, v 8): a second chunk of 20
+    attends in the absorbed form (kv_b_proj never called on it), one of 30 expands the whole cache (kv_b_proj over
+    every cached and new token); both give one forward's logits, and padding is handled by the expanded form too."""
+    if "full_attention" not in model.config.layer_types:
+        pytest.skip("no MLA layer")
+    attention = next(module for module in model.modules() if isinstance(module, KdaMoeAttention))
+    assert attention.absorbed_max_tokens == 24
+    input_ids, attention_mask = prompts(length=2 * chunk_size, padding=5)
+    expanded_lengths = []
+    hook = attention.kv_b_proj.register_forward_hook(lambda module, args, out: expanded_lengths.append(args[0].shape[1]))
+    try:
+        with torch.no_grad():
+            whole = model(input_ids, attention_mask=attention_mask, logits_to_keep=1)
+        chunked = prefill_in_chunks(model, input_ids, attention_mask, chunk_size=chunk_size)
+    finally:
+        hook.remove()
+    second_chunk = [2 * chunk_size] if chunk_size > 24 else []
+    assert expanded_lengths == [2 * chunk_size, chunk_size, *second_chunk]
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+
+
 def mask_kind(mask):
     """("lower_right", T, S) for PyTorch's lower-right causal bias, ("dense", shape) for a mask tensor, or None."""
     if isinstance(mask, CausalBias):
