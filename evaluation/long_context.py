@@ -298,6 +298,8 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", device_map="auto")
+    # a folder in the Kimi Linear layout (model_type kimi_linear) loads as transformers' own model, not ours
+    print(f"scoring {type(model).__name__} ({model.config.model_type}, {model.dtype}, {model.device})")
     timings = {}
     results = score(model, tokenizer, read_suite(args.out), timings, args.prefill_chunk)
     for (task, length), acc in results.items():

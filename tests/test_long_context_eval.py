@@ -126,9 +126,9 @@ def test_a_briefly_trained_tiny_model_finds_the_pass_key_far_above_chance():
         assert trained["passkey", length] >= before["passkey", length] + 0.3, (trained, before)
 
 
-def test_score_writes_the_accuracies_into_the_model_folders_card(tmp_path):
-    """`score --card` on a saved tiny model: the card's model-index holds one accuracy per task and length, the ones
-    `score` computes."""
+def test_score_writes_the_accuracies_into_the_model_folders_card(tmp_path, capsys):
+    """`score --card` on a saved tiny model: it names the class it scores, and the card's model-index holds one
+    accuracy per task and length, the ones `score` computes."""
     from conftest import tiny_model
     from huggingface_hub import ModelCard
 
@@ -138,6 +138,7 @@ def test_score_writes_the_accuracies_into_the_model_folders_card(tmp_path):
     tok.save_pretrained(tmp_path / "model")
     lc.write_suite(tmp_path / "suite", tok, lengths=[64], count=2)
     lc.main(["score", "--model", str(tmp_path / "model"), "--suite", str(tmp_path / "suite"), "--card"])
+    assert f"scoring {type(model).__name__} ({model.config.model_type}" in capsys.readouterr().out
     expected = lc.score(model, tok, lc.read_suite(tmp_path / "suite"))
     card = ModelCard.load(tmp_path / "model" / "README.md", ignore_metadata_errors=False)
     got = {(r.dataset_type.removeprefix("kda_long_context_"), int(r.dataset_config)): r.metric_value
