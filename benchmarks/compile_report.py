@@ -169,14 +169,17 @@ def compile_grouped_experts(dtype):
 
 def compile_mxfp4_grouped_mm(dtype):
     """The mxfp4 grouped GEMM, forward (x W^T) and transposed (x W, the gradient in x), on the anchor config's experts'
-    gate and up rows stored mxfp4 (64 experts, [2I, l] = [1024, 1024]) and 512 rows, 8 an expert."""
+    gate and up rows stored mxfp4 (64 experts, [2I, l] = [1024, 1024]) at 8 and at 128 rows an expert (512 and 8192
+    rows: the two row tiles ``mxfp4_launch`` picks from)."""
     from kda_moe.kernels.moe import mxfp4
 
-    E, N, K, S = 64, 1024, 1024, 512
+    E, N, K = 64, 1024, 1024
     packed, scale = torch.zeros(E, N, K // 2, dtype=torch.uint8), torch.zeros(E, N, K // 32, dtype=torch.uint8)
-    offsets = torch.arange(1, E + 1, dtype=torch.int32) * (S // E)
-    for transposed in (False, True):
-        mxfp4._mxfp4_grouped_mm(torch.zeros(S, N if transposed else K, dtype=dtype), packed, scale, offsets, transposed)
+    for S in (512, 8192):
+        offsets = torch.arange(1, E + 1, dtype=torch.int32) * (S // E)
+        for transposed in (False, True):
+            x = torch.zeros(S, N if transposed else K, dtype=dtype)
+            mxfp4._mxfp4_grouped_mm(x, packed, scale, offsets, transposed)
 
 
 def main():
