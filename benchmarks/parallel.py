@@ -26,6 +26,20 @@ loaded from a random Kimi Linear checkpoint; ``k3_layer``, one Kimi K3 decoder l
 layer at K3's widths, `experts` routed experts instead of 896 so that one GPU holds the baseline, vocabulary 32000);
 ``tiny``, a CPU-sized model for checking the script with gloo. bf16 weights on GPUs, fp32 on CPUs. Writes
 OUTDIR/parallel.md and OUTDIR/parallel.json after each layout and prints the table last.
+
+The ``single`` layout also splits its step (`split_step`): forward, backward and optimizer seconds (medians over the
+steps, the device synchronised at each phase boundary; the step's seconds are the same steps' start-to-end medians),
+and bytes of the parameters, gradients, AdamW state, the tensors autograd saves for the backward (its saved-tensor
+hooks, parameters left out) and, on GPUs, the peak of forward + backward over what was allocated before the forward
+(saved activations, transients and the gradients as the backward writes them). The same figures, optimizer seconds
+and peak aside, are given for every decoder layer, its attention (KDA or MLA) and its MLP (dense, or MoE / LatentMoE)
+by module hooks (full backward hooks time the backward). A second table and ``single.phases`` / ``single.parts`` in the
+json hold them.
+
+``experts`` sets the routed experts of ``k3_layer`` and ``tiny`` (K3 has 896, top-16). At K3's widths a LatentMoE
+expert holds 3 x 3072 x 3584 weights: 66 MB in bf16, about 264 MB with its gradient and two AdamW moments, so an H100
+(80 GB) trains on the order of 200 experts next to the rest of the layer at 4096 tokens and an H200 about twice that.
+The checkpoint is written in the run's dtype (bf16 on GPUs).
 """
 
 import importlib.util
@@ -66,16 +80,22 @@ def model_config(name: str, experts: int):
     )  # fmt: skip
 
 
-def save_checkpoint(name: str, folder: Path, experts: int) -> None:
-    """A random checkpoint of model `name` in `folder` (rank 0 writes it, every layout loads it)."""
+def save_checkpoint(name: str, folder: Path, experts: int, dtype: torch.dtype = torch.float32) -> None:
+    """A random checkpoint of model `name` in `folder` (rank 0 writes it, every layout loads it); ours built and
+    written in `dtype`, so that host memory and disk hold a many-expert layer once at the run's width."""
     from kda_moe import KdaMoeForCausalLM
 
     torch.manual_seed(0)
     if name == "anchor":  # a Kimi Linear checkpoint, as benchmarks/model.py times it
         model_bench = load_model_benchmark()
         model_bench.kimi_linear_class()(model_bench.anchor_config()).save_pretrained(folder)
-    else:
+        return
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
         KdaMoeForCausalLM(model_config(name, experts)).save_pretrained(folder)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def load(folder: Path, layout: str, world: int, device: torch.device, dtype: torch.dtype):
@@ -117,7 +137,8 @@ def load(folder: Path, layout: str, world: int, device: torch.device, dtype: tor
 
 
 def training_step(model, layout: str, tokens: int, world: int, cp_group, device):
-    """A closure running one training step of `layout` and the distinct tokens it trains on."""
+    """(forward, backward, optimizer_step) closures of one training step of `layout` (forward returns the loss that
+    backward takes), the optimizer, and the distinct tokens a step trains on."""
     from kda_moe.distributed import shard_batch
 
     rank = dist.get_rank()
@@ -136,16 +157,21 @@ def training_step(model, layout: str, tokens: int, world: int, cp_group, device)
     # FSDP averages the gradients over all its ranks; a row's slices must add up instead: its loss counts cp times
     loss_scale = dist.get_world_size(cp_group) if layout == "fsdp_x_cp" else 1
 
-    def step():
-        (model(**batch).loss * loss_scale).backward()
+    def forward():
+        return model(**batch).loss * loss_scale
+
+    def backward(loss):
+        loss.backward()
         if layout == "cp":  # FSDP reduces the gradients itself; plain context parallelism sums them here
             for parameter in model.parameters():
                 if parameter.grad is not None:
                     dist.all_reduce(parameter.grad)
+
+    def optimizer_step():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, rows_of_world * row_length
+    return (forward, backward, optimizer_step), optimizer, rows_of_world * row_length
 
 
 def timed(step, steps: int, device, together: bool) -> float:
@@ -179,8 +205,156 @@ def peak_memory(device, together: bool) -> float | None:
     return peak.item()
 
 
+def model_parts(model) -> dict:
+    """{name: module} of every decoder layer, its attention and its MLP, named by kind ("layer 0", "layer 0 KDA",
+    "layer 0 LatentMoE")."""
+    config = model.config
+    parts = {}
+    for index, layer in enumerate(model.model.layers):
+        attention = "KDA" if config.layer_types[index] == "linear_attention" else "MLA"
+        if config.mlp_layer_types[index] == "dense":
+            mlp = "dense MLP"
+        else:
+            mlp = "LatentMoE" if getattr(config, "routed_expert_hidden_size", None) else "MoE"
+        parts[f"layer {index}"] = layer
+        parts[f"layer {index} {attention}"] = layer.self_attn
+        parts[f"layer {index} {mlp}"] = layer.mlp
+    return parts
+
+
+class Clock:
+    """Marks on the device's timeline: CUDA events on GPUs (read once the step has synchronised), host time on CPUs."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+def tensor_bytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def median(values):
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def split_step(model, phases, optimizer, steps: int, device) -> dict:
+    """The single layout's step, split: {s, fwd_s, bwd_s, opt_s (medians of `steps` steps after a warm-up step, the
+    device synchronised at each phase boundary), param_bytes, grad_bytes, optim_bytes, saved_bytes (the warm-up step),
+    fwd_bwd_peak_bytes (GPUs, the largest over the timed steps; None on CPUs), peak_GB (since the last reset of the
+    peak statistics), parts: {name: the same figures but the optimizer's and the peak}} of `model_parts(model)`."""
+    forward, backward, optimizer_step = phases
+    cuda = device.type == "cuda"
+    parts, clock = model_parts(model), Clock(device)
+    marks = {name: {} for name in parts}
+    stack = []  # the parts whose forward is running, outermost first
+    saved = {name: {} for name in ("model", *parts)}  # storage address -> bytes the forward keeps for the backward
+    parameter_storages = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            for name in ("model", *stack):
+                saved[name][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def hooks(name, module):
+        def enter(module, args):
+            stack.append(name)
+            marks[name]["f0"] = clock.mark()
+
+        def leave(module, args, output):
+            stack.remove(name)
+            marks[name]["f1"] = clock.mark()
+
+        return [
+            module.register_forward_pre_hook(enter), module.register_forward_hook(leave),
+            module.register_full_backward_pre_hook(lambda module, grad_out: marks[name].update(b0=clock.mark())),
+            module.register_full_backward_hook(lambda module, grad_in, grad_out: marks[name].update(b1=clock.mark())),
+        ]  # fmt: skip
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    handles = [handle for name, module in parts.items() for handle in hooks(name, module)]
+    times = {key: [] for key in ("s", "fwd_s", "bwd_s", "opt_s")}
+    part_times = {name: {"fwd_s": [], "bwd_s": []} for name in parts}
+    grads, peak, fwd_bwd_peak = {}, 0, 0
+    for index in range(steps + 1):
+        sync()
+        if cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        for name in marks:
+            marks[name].clear()
+        start = time.perf_counter()
+        if index:
+            loss = forward()
+        else:  # the warm-up step counts what the forward saves (the hooks' host work stays out of the timed steps)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                loss = forward()
+        sync()
+        forward_end = time.perf_counter()
+        backward(loss)
+        del loss
+        sync()
+        backward_end = time.perf_counter()
+        if index and cuda:
+            fwd_bwd_peak = max(fwd_bwd_peak, torch.cuda.max_memory_allocated() - before)
+        if not index:
+            grads = {id(p): tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None}
+        optimizer_step()
+        sync()
+        end = time.perf_counter()
+        if index:
+            spans = (end - start, forward_end - start, backward_end - forward_end, end - backward_end)
+            for key, value in zip(times, spans):
+                times[key].append(value)
+            for name, mark in marks.items():
+                for key, (first, last) in (("fwd_s", ("f0", "f1")), ("bwd_s", ("b0", "b1"))):
+                    if first in mark and last in mark:
+                        part_times[name][key].append(clock.seconds(mark[first], mark[last]))
+    for handle in handles:
+        handle.remove()
+    if cuda:
+        peak = max(peak, torch.cuda.max_memory_allocated())
+
+    def state_bytes(parameter) -> int:  # AdamW's tensors on the parameter's device (a step count on the host aside)
+        state = optimizer.state.get(parameter, {})
+        return sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v) and v.device == parameter.device)
+
+    def memory(parameters, name) -> dict:
+        parameters = list(parameters)
+        return dict(
+            param_bytes=sum(tensor_bytes(p) for p in parameters),
+            grad_bytes=sum(grads.get(id(p), 0) for p in parameters),
+            optim_bytes=sum(state_bytes(p) for p in parameters),
+            saved_bytes=sum(saved[name].values()),
+        )  # fmt: skip
+
+    result = {key: median(values) for key, values in times.items()}
+    result.update(memory(model.parameters(), "model"), fwd_bwd_peak_bytes=fwd_bwd_peak if cuda else None)
+    result.update(peak_GB=peak / 1e9 if cuda else None, parts={})
+    for name, module in parts.items():
+        result["parts"][name] = {key: median(values) for key, values in part_times[name].items()}
+        result["parts"][name].update(memory(module.parameters(), name))
+    return result
+
+
 def run_layout(folder, layout, world, tokens, steps, device, dtype) -> dict:
-    """{s, tok_s, peak_GB} of `layout`, on every rank. `single` runs on rank 0 while the other ranks wait."""
+    """{s, tok_s, peak_GB} of `layout`, on every rank; `single` adds `split_step`'s figures and runs on rank 0 while
+    the other ranks wait."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -188,10 +362,22 @@ def run_layout(folder, layout, world, tokens, steps, device, dtype) -> dict:
     result = None
     if together or dist.get_rank() == 0:
         model, cp_group = load(folder, layout, world, device, dtype)
-        step, distinct = training_step(model, layout, tokens, world, cp_group, device)
-        seconds = timed(step, steps, device, together)
-        result = dict(s=seconds, tok_s=distinct / seconds, peak_GB=peak_memory(device, together))
-        del model, step
+        phases, optimizer, distinct = training_step(model, layout, tokens, world, cp_group, device)
+        if together:
+            forward, backward, optimizer_step = phases
+
+            def step():
+                backward(forward())
+                optimizer_step()
+
+            seconds = timed(step, steps, device, together)
+            result = dict(s=seconds, tok_s=distinct / seconds, peak_GB=peak_memory(device, together))
+            del step
+        else:
+            split = split_step(model, phases, optimizer, steps, device)
+            result = dict(s=split["s"], tok_s=distinct / split["s"], peak_GB=split["peak_GB"])
+            result.update(split)
+        del model, phases, optimizer
     shared = [result]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
@@ -206,6 +392,40 @@ def table(results: dict, world: int) -> str:
         peak = "n/a" if r["peak_GB"] is None else f"{r['peak_GB']:.1f}"
         lines.append(f"| {layout} | {gpus} | {r['tok_s']:,.0f} | {r['s']:.3f} | {peak} | {efficiency} |")
     return "\n".join(lines)
+
+
+def size(count) -> str:
+    if count is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count} B"
+
+
+def split_table(single: dict) -> str:
+    """The single layout's step by phase and by part: milliseconds and bytes."""
+    lines = [
+        "| part | forward ms | backward ms | optimizer ms | parameters | gradients | AdamW state | saved for backward "
+        "| forward + backward peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    milliseconds = lambda s: "n/a" if s is None else f"{s * 1e3:.2f}"
+    for name, r in [("model", single), *single["parts"].items()]:
+        lines.append(
+            f"| {name} | {milliseconds(r['fwd_s'])} | {milliseconds(r['bwd_s'])} | {milliseconds(r.get('opt_s'))} "
+            f"| {size(r['param_bytes'])} | {size(r['grad_bytes'])} | {size(r['optim_bytes'])} "
+            f"| {size(r['saved_bytes'])} "
+            f"| {size(r.get('fwd_bwd_peak_bytes'))} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def tables(results: dict, world: int) -> str:
+    text = table(results, world)
+    if "single" in results:
+        text += "\n\nThe single layout's step by phase and by decoder layer:\n\n" + split_table(results["single"])
+    return text
 
 
 def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, experts=64):
@@ -227,7 +447,7 @@ def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, e
     folder = out / "checkpoint"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(model, folder, experts)
+        save_checkpoint(model, folder, experts, dtype)
     dist.barrier()
     results = {}
     for layout in layouts:
@@ -237,9 +457,9 @@ def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, e
         if rank == 0:
             header = f"{world} ranks, {'GPU: ' + torch.cuda.get_device_name() if cuda else 'CPU (gloo)'}; model {model}"
             (out / "parallel.json").write_text(json.dumps(dict(world=world, model=model, tokens=tokens, results=results), indent=2))
-            (out / "parallel.md").write_text(f"{header}, {tokens} tokens per rank\n\n{table(results, world)}\n")
+            (out / "parallel.md").write_text(f"{header}, {tokens} tokens per rank\n\n{tables(results, world)}\n")
     if rank == 0:
-        print(table(results, world), flush=True)
+        print(tables(results, world), flush=True)
     dist.destroy_process_group()
     return results
 

@@ -256,7 +256,7 @@ def test_ncu_lines_charges_each_instructions_stall_samples_to_its_source_line():
 def test_parallel_benchmark_times_every_layout_on_two_gloo_ranks(tmp_path):
     """benchmarks/parallel.py under torchrun on 2 CPU ranks (gloo), the tiny model: every layout trains, counts the
     distinct tokens of its step (tp / ep: the ranks share a row; fsdp2, hsdp, cp, fsdp_x_cp: 2 rows' worth) and is
-    compared with the single rank's throughput."""
+    compared with the single rank's throughput; the single layout's step is split by phase and by decoder layer."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -275,6 +275,47 @@ def test_parallel_benchmark_times_every_layout_on_two_gloo_ranks(tmp_path):
         gpus = 1 if layout == "single" else 2
         efficiency = result["tok_s"] / (gpus * results["single"]["tok_s"])
         assert f"| {layout} | {gpus} | {result['tok_s']:,.0f} |" in out.stdout and f"{efficiency:.2f} |" in out.stdout
+    split_step_figures_are_consistent(results["single"], (tmp_path / "parallel.md").read_text())
+
+
+def split_step_figures_are_consistent(single, markdown):
+    """The single layout's split (tiny model, fp32 on CPU, one timed step): the phases add up to the step, each part's
+    times fit in the model's, bytes are numel x 4 of a model built here, AdamW holds two moments and a step count a
+    parameter, and every figure has its row in the second table."""
+    from kda_moe import KdaMoeForCausalLM
+
+    parallel = load_benchmark("parallel.py")
+    with torch.device("meta"):
+        model = KdaMoeForCausalLM(parallel.model_config("tiny", 8))
+    phases = ("fwd_s", "bwd_s", "opt_s")
+    assert all(single[key] > 0 for key in phases) and sum(single[key] for key in phases) <= single["s"] * 1.01
+    assert single["fwd_bwd_peak_bytes"] is None and single["peak_GB"] is None  # CPU: no allocator statistics
+    parameters = list(model.parameters())
+    assert single["param_bytes"] == single["grad_bytes"] == 4 * sum(p.numel() for p in parameters)
+    assert single["optim_bytes"] == 2 * single["param_bytes"] + 4 * len(parameters)
+    assert single["saved_bytes"] > 0
+    kinds = {"linear_attention": "KDA", "full_attention": "MLA", "dense": "dense MLP", "sparse": "LatentMoE"}
+    expected = {}
+    for index, layer in enumerate(model.model.layers):
+        attention, mlp = kinds[model.config.layer_types[index]], kinds[model.config.mlp_layer_types[index]]
+        expected.update({f"layer {index}": layer, f"layer {index} {attention}": layer.self_attn,
+                         f"layer {index} {mlp}": layer.mlp})  # fmt: skip
+    assert list(single["parts"]) == list(expected)
+    for name, part in single["parts"].items():
+        numel = sum(p.numel() for p in expected[name].parameters())
+        assert part["param_bytes"] == part["grad_bytes"] == 4 * numel and part["optim_bytes"] == 8 * numel + 4 * len(
+            list(expected[name].parameters())
+        ), name
+        assert 0 < part["fwd_s"] <= single["fwd_s"] and 0 < part["bwd_s"] <= single["bwd_s"], name
+        assert 0 < part["saved_bytes"] <= single["saved_bytes"], name
+    for index in range(len(model.model.layers)):
+        layer, attention, mlp = (single["parts"][name] for name in list(expected)[3 * index : 3 * index + 3])
+        assert all(attention[key] + mlp[key] <= layer[key] for key in ("fwd_s", "bwd_s", "param_bytes"))
+    layer_seconds = [single["parts"][f"layer {index}"]["fwd_s"] for index in range(len(model.model.layers))]
+    assert sum(layer_seconds) <= single["fwd_s"]
+    milliseconds = " | ".join(f"{single[key] * 1e3:.2f}" for key in phases)
+    assert f"| model | {milliseconds} |" in markdown
+    assert all(f"| {name} | " in markdown for name in expected)
 
 
 def test_parallel_benchmark_refuses_unknown_layouts_and_models(tmp_path):
