@@ -159,3 +159,36 @@ def test_packed_model_generates_the_dequantized_models_greedy_tokens(k3_mxfp4):
     greedy = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(packed.generate(**inputs, **greedy), dense.generate(**inputs, **greedy))
+
+
+@pytest.mark.parametrize("expert_format", ["dense", "mxfp4"])
+def test_k3_folder_offloaded_to_disk_generates_the_loaded_models_tokens(k3_mxfp4, tmp_path, expert_format):
+    """The K3 folder with mxfp4 experts under `device_map="auto"` and a memory limit that sends the last decoder
+    layers to disk: experts decoded on load, or kept packed (uint8 parameters offloaded and onloaded as they are),
+    generate the greedy tokens of the same model loaded whole."""
+    from accelerate.utils import compute_module_sizes
+
+    folder, _ = k3_mxfp4
+    whole = load(folder, expert_format)
+    sizes = compute_module_sizes(whole)
+    text = "model.language_model"
+    budget = sizes["lm_head"] + sizes["model.vision_tower"] + sizes["model.multi_modal_projector"]
+    budget += sizes[f"{text}.embed_tokens"] + sizes[f"{text}.layers.0"] + sizes[f"{text}.layers.1"]
+    config = AutoConfig.from_pretrained(folder)
+    config.text_config.routed_expert_format = expert_format
+    offloaded = AutoModelForImageTextToText.from_pretrained(
+        folder, config=config, device_map="auto", max_memory={"cpu": budget}, offload_folder=tmp_path / "offload"
+    ).eval()
+    layers = {name: device for name, device in offloaded.hf_device_map.items() if name.startswith(f"{text}.layers.")}
+    assert {"cpu", "disk"} <= set(layers.values()), offloaded.hf_device_map
+    offloaded_experts = sorted((tmp_path / "offload").glob("*.mlp.experts.gate_up_proj.safetensors"))
+    assert offloaded_experts  # some sparse layer's experts lie on disk, written in the loaded parameters' dtype
+    for path in offloaded_experts:
+        with safe_open(path, "pt") as f:
+            stored = f.get_tensor(f.keys()[0])
+        assert stored.dtype == (torch.uint8 if expert_format == "mxfp4" else torch.float32), path.name
+    inputs = model_inputs()
+    greedy = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(**inputs).logits, whole(**inputs).logits, rtol=1e-5, atol=1e-6)
+        assert torch.equal(offloaded.generate(**inputs, **greedy), whole.generate(**inputs, **greedy))
