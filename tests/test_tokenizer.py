@@ -268,3 +268,32 @@ def test_tool_call_arguments_are_cast_by_the_tool_schema(processor):
     turn = turn.replace('"days": 3', '"days": "3"')  # a model that quotes a number
     parsed = processor.parse_response(turn, prefix=prompt, tools=WEATHER_TOOLS)
     assert parsed["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
+
+
+@pytest.mark.parametrize("index", [2, 5])
+def test_kimi_tiktoken_tokenizer_renders_the_chat_template_with_tools_and_parses_turns_back(kimi_folder, index):
+    """The Kimi tokenizer folder with the package's `chat_template.jinja` beside it: every markup token of a rendered
+    conversation with tool declarations, calls and results is one special id, the ids decode to the text, and an
+    assistant turn's ids parse back to its message."""
+    import re
+    import shutil
+
+    from kda_moe.processing import kimi_tiktoken_tokenizer
+    from kda_moe.processing.processing_kda_moe import CHAT_TEMPLATE_FILE
+
+    shutil.copy(CHAT_TEMPLATE_FILE, kimi_folder / "chat_template.jinja")
+    tokenizer = kimi_tiktoken_tokenizer(kimi_folder)
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=WEATHER_TOOLS, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    markup = re.findall(r"<\|[a-z_]+\|>", text)
+    assert {"<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>", "<|im_system|>"} <= set(markup)
+    special = {tokenizer.convert_tokens_to_ids(token) for token in KIMI_SPECIAL_TOKENS.values()}
+    assert [i for i in ids if i in special] == tokenizer.convert_tokens_to_ids(markup)  # one id each, in order
+
+    prompt = tokenizer.apply_chat_template(CONVERSATION[:index], tools=WEATHER_TOOLS, add_generation_prompt=True,
+                                           tokenize=False)
+    full = tokenizer.apply_chat_template(CONVERSATION[: index + 1], tools=WEATHER_TOOLS, tokenize=False)
+    turn = tokenizer.encode(full[len(prompt) :], add_special_tokens=False)
+    prefix = tokenizer.encode(prompt, add_special_tokens=False)
+    assert tokenizer.parse_response(turn, prefix=prefix) == CONVERSATION[index]
