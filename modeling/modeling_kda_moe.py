@@ -9,6 +9,7 @@ gated MLA, AttnRes, LatentMoE with SiTU-GLU and Quantile Balancing), Kimi Linear
 gate, plain MLA, plain residuals, full-width SwiGLU experts) and small research configs.
 """
 
+import inspect
 import json
 import math
 import os
@@ -1834,6 +1835,37 @@ def layer_type_masks(
     return masks
 
 
+def training_forward_builds_no_cache(forward):
+    """A `forward(..., cache=None, use_cache=None)` in training mode with gradients on that is given neither
+    `use_cache` nor a cache builds none (`config.use_cache` is the default for inference only): a training forward has
+    no later step to continue, and a layer recomputed in the backward (`gradient_checkpointing_enable`, or torch's
+    `checkpoint_wrapper` applied from outside, as accelerate's FSDP activation checkpointing does) would write its
+    cache a second time. Decorates the forward outside `merge_with_config_defaults`, which fills in the config's
+    value."""
+    names = list(inspect.signature(forward).parameters)[1:]  # without self
+    use_cache_index, cache_index = names.index("use_cache"), names.index("cache")
+
+    @wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        def given(name, index):
+            return kwargs.get(name) is not None or (len(args) > index and args[index] is not None)
+
+        asked = given("use_cache", use_cache_index) or given("cache", cache_index) or (
+            kwargs.get("past_key_values") is not None
+        )
+        if not asked and self.training and torch.is_grad_enabled():
+            kwargs["use_cache"] = False
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+def recomputes_layers_from_outside(model: nn.Module) -> bool:
+    """Whether torch's `checkpoint_wrapper` wraps a decoder layer of `model` (accelerate's FSDP activation
+    checkpointing, `fsdp2_apply_ac`)."""
+    return any(hasattr(layer, "_checkpoint_wrapped_module") for layer in model.layers)
+
+
 class KdaMoeTextModel(KdaMoePreTrainedModel):
     """Embeddings -> decoder layers -> (final AttnRes mix) -> final norm. `last_hidden_state` feeds `lm_head` as is."""
 
@@ -1852,6 +1884,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
         self.context_parallel = None
         self.post_init()
 
+    @training_forward_builds_no_cache
     @merge_with_config_defaults
     @capture_outputs
     @accepts_legacy_cache_name
@@ -1888,6 +1921,14 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             )
         if (self.gradient_checkpointing and self.training) or cu_seqlens is not None:
             use_cache = False  # a recomputed layer would write its cache twice; a packed row has no single future
+        if use_cache and self.training and torch.is_grad_enabled() and recomputes_layers_from_outside(self):
+            raise ValueError(
+                "use_cache=True (or a cache) was passed to a training forward whose decoder layers are wrapped by "
+                "torch's checkpoint_wrapper (activation checkpointing, e.g. accelerate's "
+                "fsdp_activation_checkpointing): the backward recomputes each layer, which would write its cache a "
+                "second time. Leave use_cache unset or pass use_cache=False for training, or run the forward under "
+                "torch.no_grad() / in eval mode."
+            )
         if not use_cache:
             cache = None
         elif cache is None:
