@@ -50,6 +50,10 @@ class RecipeConfig:
     max_tool_calling_iterations: int = 8
     cold_start_steps: int = 0  # supervised steps on demonstrations before RL (needed for a fresh model)
     temperature: float = 1.0
+    # rollouts' KV cache: None (the dynamic cache) or "static" (`KdaMoeStaticCache`). TRL's generate() path passes
+    # disable_compile=True, so the static cache runs eagerly there: no faster than the dynamic cache on CPU, and
+    # the compiled (CUDA-graph) static decode step that makes it fast on a GPU is not reachable through GRPOConfig
+    cache_implementation: str | None = None
     bf16: bool = False
     seed: int = 0
 
@@ -362,6 +366,7 @@ def build_trainer(config: RecipeConfig, model=None, tokenizer=None, environment_
         max_completion_length=config.max_completion_length,
         max_tool_calling_iterations=config.max_tool_calling_iterations,
         temperature=config.temperature,
+        cache_implementation=config.cache_implementation,
         bf16=config.bf16,
         use_cpu=not torch.cuda.is_available(),
         logging_steps=1,

@@ -163,18 +163,24 @@ def test_agentic_recipe_runs_the_tool_loop_and_trains(tmp_path):
         assert rel(reloaded(probe).logits, trainer.model.eval()(probe).logits) < 1e-5
 
 
-def test_agentic_recipe_with_lora_saves_an_adapter_that_reloads_offline(tmp_path):
+def test_agentic_recipe_with_lora_saves_an_adapter_that_reloads_offline(tmp_path, monkeypatch):
     """The recipe with `lora=True` on a model built in the run: LoRA on the projections and on the routed experts'
     fused weights, the router in `modules_to_save`. The base is saved beside the adapter and named by its
     `base_model_name_or_path`, so `AutoPeftModelForCausalLM` reloads base + adapter without the Hub and computes the
-    trained model's logits."""
+    trained model's logits. The rollouts run on the static cache (`cache_implementation="static"`)."""
     example = grpo_example()
     config = example.RecipeConfig(
         scale_down=True, lora=True, num_tasks=2, max_steps=1, num_generations=2, per_device_batch_size=2,
-        max_completion_length=12, max_tool_calling_iterations=1, output_dir=str(tmp_path),
+        max_completion_length=12, max_tool_calling_iterations=1, output_dir=str(tmp_path), cache_implementation="static",
     )  # fmt: skip
     trainer = example.build_trainer(config)
+    from kda_moe import KdaMoeStaticCache
+
+    caches = []
+    init = KdaMoeStaticCache.__init__
+    monkeypatch.setattr(KdaMoeStaticCache, "__init__", lambda self, *a, **k: caches.append(self) or init(self, *a, **k))
     trainer.train()
+    assert caches, "the rollouts run on KdaMoeStaticCache"
     model = trainer.model
     experts = [n for n, _ in model.named_parameters() if ".mlp.experts." in n and "lora_B" in n]
     assert experts and all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
