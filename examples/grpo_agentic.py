@@ -13,7 +13,9 @@ episode's own environment and appends the result as a `tool` turn until the mode
 Reward = outcome (the final answer holds the expected value) + process (each well-formed tool call that ran earns a
 share of `PROCESS_WEIGHT`; a failed call that a later successful call of the same tool recovers from earns it back).
 TRL logs reward, tool-call frequency and failure rate, and completion length (episode length in tokens) per step,
-with Trainer's progress bar; the script saves the model (or adapter) and reloads it as a check.
+with Trainer's progress bar; the script saves the model (or adapter) and reloads it as a check. LoRA on a model built
+in the run saves that base to `OUTPUT_DIR/base` first, and the adapter's `base_model_name_or_path` names it, so
+`AutoPeftModelForCausalLM.from_pretrained(OUTPUT_DIR)` reloads base + adapter offline.
 """
 
 import argparse
@@ -48,6 +50,10 @@ class RecipeConfig:
     max_tool_calling_iterations: int = 8
     cold_start_steps: int = 0  # supervised steps on demonstrations before RL (needed for a fresh model)
     temperature: float = 1.0
+    # rollouts' KV cache: None (the dynamic cache) or "static" (`KdaMoeStaticCache`). TRL's generate() path passes
+    # disable_compile=True, so the static cache runs eagerly there: no faster than the dynamic cache on CPU, and
+    # the compiled (CUDA-graph) static decode step that makes it fast on a GPU is not reachable through GRPOConfig
+    cache_implementation: str | None = None
     bf16: bool = False
     seed: int = 0
 
@@ -319,6 +325,18 @@ def cold_start(model, tokenizer, rows: list[dict], steps: int, learning_rate: fl
     return loss.item()
 
 
+def save_lora_base(model, tokenizer, base_dir: Path) -> None:
+    """Save a base model that exists only in this process (fresh, or cold-started) to `base_dir` and point its
+    `name_or_path` at that folder: PEFT writes it into the adapter's `base_model_name_or_path`, so
+    `AutoPeftModelForCausalLM.from_pretrained(adapter_folder)` finds the base offline. The base's weights stay frozen
+    under LoRA (the router's copy in `modules_to_save` is the one that trains), so the folder saved before training
+    is the base of the trained adapter."""
+    base_dir = base_dir.resolve()
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    model.name_or_path = str(base_dir)
+
+
 def build_trainer(config: RecipeConfig, model=None, tokenizer=None, environment_factory=ToolEnvironment):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -337,6 +355,8 @@ def build_trainer(config: RecipeConfig, model=None, tokenizer=None, environment_
         finetune = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(finetune)
         peft_config = finetune.lora_config(r=8, alpha=16)
+        if not model.name_or_path:
+            save_lora_base(model, tokenizer, Path(config.output_dir) / "base")
     args = GRPOConfig(
         output_dir=config.output_dir,
         max_steps=config.max_steps,
@@ -346,6 +366,7 @@ def build_trainer(config: RecipeConfig, model=None, tokenizer=None, environment_
         max_completion_length=config.max_completion_length,
         max_tool_calling_iterations=config.max_tool_calling_iterations,
         temperature=config.temperature,
+        cache_implementation=config.cache_implementation,
         bf16=config.bf16,
         use_cpu=not torch.cuda.is_available(),
         logging_steps=1,
@@ -366,7 +387,11 @@ def build_trainer(config: RecipeConfig, model=None, tokenizer=None, environment_
 
 
 def save_and_reload(trainer, output_dir: str):
-    """Save the trained model (or adapter) with the tokenizer and load it back; returns the reloaded model."""
+    """Save the trained model (or adapter) with the tokenizer and load it back; returns the reloaded model. An
+    adapter reloads with `AutoPeftModelForCausalLM` from the base its config names (`save_lora_base` for a model
+    built in this run)."""
+    import kda_moe  # noqa: F401  (registers the Auto classes: the saved folders load as the package's classes)
+
     trainer.save_model(output_dir)
     if hasattr(trainer.model, "peft_config"):
         from peft import AutoPeftModelForCausalLM

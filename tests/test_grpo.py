@@ -5,6 +5,7 @@ any difference is an on-policy importance ratio != 1 that the RL trainer cannot 
 Balancing keeps adapting during GRPO as it does under `Trainer`."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,26 @@ def test_generate_logits_match_the_training_forward(autocast, tolerance):
     assert (training.detach() - rollout).abs().max() < tolerance
 
 
-def grpo_step_biases(tmp_path, seed):
-    """Router biases after one GRPO step (TRL's `GRPOTrainer`, plain-text prompts, a reward with variance)."""
+def router_biases(model) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def grpo_step_biases(tmp_path, seed, training_inputs=None, **config):
+    """Router biases after one GRPO step (TRL's `GRPOTrainer`, plain-text prompts, a reward with variance). The
+    arguments of every training forward (train mode, autograd on) are appended to `training_inputs`."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = grpo_example().load_processing_class()
-    model = tiny_model(seed=seed, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    model = tiny_model(seed=seed, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **config)
+    before = router_biases(model)
+    if training_inputs is not None:
+
+        def record(module, args, kwargs):
+            if module.training and torch.is_grad_enabled():
+                training_inputs.append((args, {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}))
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
     args = GRPOConfig(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, learning_rate=1e-3, use_cpu=True, report_to="none", save_strategy="no", seed=seed,
@@ -91,8 +104,7 @@ def grpo_step_biases(tmp_path, seed):
     trainer = GRPOTrainer(model=model, reward_funcs=even_tokens, args=args, train_dataset=prompts, processing_class=tokenizer)
     trainer.train()
     assert trainer.state.log_history[0]["grad_norm"] > 0
-    after = {n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")}
-    return before, after
+    return before, router_biases(trainer.model)
 
 
 def test_quantile_balancing_moves_during_grpo_and_reruns_identically(tmp_path):
@@ -102,6 +114,29 @@ def test_quantile_balancing_moves_during_grpo_and_reruns_identically(tmp_path):
     assert all(torch.count_nonzero(after[n]) > 0 for n in after), "every MoE layer's bias moves in a GRPO step"
     _, rerun = grpo_step_biases(tmp_path / "b", seed=0)
     assert all(torch.equal(after[n], rerun[n]) for n in after)
+
+
+def test_optimizer_step_quantile_balancing_moves_during_grpo_as_in_a_plain_training_step(tmp_path):
+    """The recipe's `router_bias_update="optimizer_step"`: GRPO's training forwards stage their biases and the
+    optimizer step applies their mean. The result equals a plain training step (forward, backward, any torch
+    optimizer's step) of a fresh copy of the model on the same inputs, under TRL's defaults (bf16 autocast, gradient
+    checkpointing, whose recomputed forward stages the same bias again): GRPO routes its training tokens as any other
+    training step does, and the rollouts (eval mode, no grad) stage nothing."""
+    inputs = []
+    before, after = grpo_step_biases(tmp_path, seed=0, training_inputs=inputs, router_bias_update="optimizer_step")
+    assert all(torch.count_nonzero(b) == 0 for b in before.values()) and inputs
+    assert all(torch.count_nonzero(after[n]) > 0 for n in after), "every MoE layer's bias moves in a GRPO step"
+    tokenizer = grpo_example().load_processing_class()
+    model = tiny_model(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, router_bias_update="optimizer_step")
+    model.train()
+    for args, kwargs in inputs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # GRPOConfig's default bf16=True: Trainer's autocast
+            output = model(*args, **kwargs)  # TRL asks for the fused head's per-token outputs (`loss`), not logits
+        (output.loss if output.logits is None else output.logits).float().sum().backward()
+        assert all(torch.equal(b, before[n]) for n, b in router_biases(model).items()), "biases wait for the step"
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    plain = router_biases(model)
+    assert all(torch.equal(after[n], plain[n]) for n in after), max((after[n] - plain[n]).abs().max() for n in after)
 
 
 def test_agentic_recipe_runs_the_tool_loop_and_trains(tmp_path):
@@ -126,3 +161,43 @@ def test_agentic_recipe_runs_the_tool_loop_and_trains(tmp_path):
     probe = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():  # equal weights at other addresses, where CPU GEMMs may round differently: fp32 rounding
         assert rel(reloaded(probe).logits, trainer.model.eval()(probe).logits) < 1e-5
+
+
+def test_agentic_recipe_with_lora_saves_an_adapter_that_reloads_offline(tmp_path, monkeypatch):
+    """The recipe with `lora=True` on a model built in the run: LoRA on the projections and on the routed experts'
+    fused weights, the router in `modules_to_save`. The base is saved beside the adapter and named by its
+    `base_model_name_or_path`, so `AutoPeftModelForCausalLM` reloads base + adapter without the Hub and computes the
+    trained model's logits. The rollouts run on the static cache (`cache_implementation="static"`)."""
+    example = grpo_example()
+    config = example.RecipeConfig(
+        scale_down=True, lora=True, num_tasks=2, max_steps=1, num_generations=2, per_device_batch_size=2,
+        max_completion_length=12, max_tool_calling_iterations=1, output_dir=str(tmp_path), cache_implementation="static",
+    )  # fmt: skip
+    trainer = example.build_trainer(config)
+    from kda_moe import KdaMoeStaticCache
+
+    caches = []
+    init = KdaMoeStaticCache.__init__
+    monkeypatch.setattr(KdaMoeStaticCache, "__init__", lambda self, *a, **k: caches.append(self) or init(self, *a, **k))
+    trainer.train()
+    assert caches, "the rollouts run on KdaMoeStaticCache"
+    model = trainer.model
+    experts = [n for n, _ in model.named_parameters() if ".mlp.experts." in n and "lora_B" in n]
+    assert experts and all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    routers = {n: b for n, b in model.named_buffers() if n.endswith("modules_to_save.default.e_score_correction_bias")}
+    assert routers and all(torch.count_nonzero(b) > 0 for b in routers.values()), "the trained router's bias moved"
+    with torch.no_grad():  # LoRA B starts at zero: random values make every adapter, the experts' included, count
+        generator = torch.Generator().manual_seed(0)
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    reloaded = example.save_and_reload(trainer, str(tmp_path / "final")).eval()
+    saved = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    probe = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        trained = model.eval()(probe).logits
+        with model.disable_adapter():
+            base = model(probe).logits
+        assert rel(reloaded(probe).logits, trained) < 1e-5  # equal weights at other addresses: fp32 rounding
+        assert rel(base, trained) > 1e-2
