@@ -1383,7 +1383,9 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 
     The layer carries `(partial, blocks)`: with plain residuals `partial` is the residual stream and `blocks` stays
     None; with Block AttnRes each sublayer reads a depth mixture of the stored blocks and the partial sum, and a new
-    block starts every `attn_res_block_size` layers.
+    block starts every `attn_res_block_size` layers. It returns `(partial, started)`: `started` is the stored blocks
+    with the new one where the layer starts a block, else None (the caller keeps its blocks: a layer never returns
+    its input, which FSDP2 would see as a view).
     """
 
     def __init__(self, config: KdaMoeTextConfig, layer_idx: int):
@@ -1420,8 +1422,9 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         partial, blocks = hidden_states, attn_res_blocks
         mixed = partial if self.attn_res is None else self.attn_res(partial, blocks)
-        if self.starts_block:
-            blocks = partial[None] if blocks is None else torch.cat([blocks, partial[None]], dim=0)
+        started = None
+        if self.starts_block:  # a new tensor, not a view of `partial`
+            blocks = started = torch.stack([partial]) if blocks is None else torch.cat([blocks, partial[None]], dim=0)
 
         normed = self.input_layernorm(mixed)
         if self.layer_type == "linear_attention":
@@ -1443,7 +1446,7 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 
         mixed = partial if self.mlp_res is None else self.mlp_res(partial, blocks)
         partial = partial + self.mlp(self.post_attention_layernorm(mixed))
-        return partial, blocks
+        return partial, started
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1948,7 +1951,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
 
         hidden_states, blocks = inputs_embeds, None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states, blocks = decoder_layer(
+            hidden_states, started = decoder_layer(
                 hidden_states,
                 blocks,
                 attention_mask=mask_mapping[decoder_layer.layer_type],
@@ -1959,6 +1962,7 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
                 position_ids=position_ids,
                 **kwargs,
             )
+            blocks = blocks if started is None else started
         if self.out_res is not None:
             hidden_states = self.out_res(hidden_states, blocks)
         hidden_states = self.norm(hidden_states)
