@@ -1,13 +1,14 @@
 """accelerate's own FSDP2 path on 2 CPU processes (gloo), as `examples/accelerate_fsdp2.yaml` configures it: its
 activation checkpointing (`fsdp2_apply_ac`, torch's `checkpoint_wrapper` around every decoder layer) and sharding
 (`fsdp2_prepare_model`) with bf16 parameters and an fp32 gradient reduce. A training forward that does not pass
-`use_cache` trains (the recomputed layers write no cache) and gives the loss and gradients of one process computing in
-bf16 on the whole batch; Quantile Balancing biases are identical on every rank. The sharded checkpoint accelerate
+`use_cache` trains (the recomputed layers write no cache), with no decoder layer returning a view (which FSDP2 warns
+of), and gives the loss and gradients of one process computing in bf16 on the whole batch; Quantile Balancing biases are identical on every rank. The sharded checkpoint accelerate
 writes (`save_fsdp_model`, what Trainer saves for `SHARDED_STATE_DICT`) merges with `merge_fsdp_weights` into a
 safetensors file that `from_pretrained` loads, with the model's `config.json` beside it, as the trained model."""
 
 import os
 import types
+import warnings
 
 import pytest
 import torch
@@ -76,7 +77,10 @@ def worker(rank, tmpdir):
         model = KdaMoeForCausalLM.from_pretrained(f"{tmpdir}/model").train()
         model = fsdp2_prepare_model(accelerator, fsdp2_apply_ac(accelerator, model))
         results["wrapped"] = [hasattr(layer, "_checkpoint_wrapped_module") for layer in model.model.layers]
-        results |= train(model, slice(rank * ROWS, (rank + 1) * ROWS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results |= train(model, slice(rank * ROWS, (rank + 1) * ROWS))
+        results["view_warnings"] = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
         save_fsdp_model(plugin, accelerator, model, f"{tmpdir}/checkpoint-2")
         if rank == 0:
             model.config.save_pretrained(f"{tmpdir}/export")
@@ -99,6 +103,7 @@ def runs(tmp_path_factory):
 def test_activation_checkpointed_fsdp2_gives_the_single_process_loss_and_gradients(runs):
     _, ranks, reference = runs
     assert all(all(results["wrapped"]) for results in ranks)
+    assert [results["view_warnings"] for results in ranks] == [[], []]
     for step in range(2):  # each rank's loss is the mean over its rows; their mean is the whole batch's
         mean = sum(results["losses"][step] for results in ranks) / WORLD_SIZE
         torch.testing.assert_close(mean, reference["losses"][step], rtol=1e-2, atol=0)
