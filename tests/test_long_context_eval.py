@@ -176,3 +176,24 @@ def test_score_writes_the_accuracies_into_the_model_folders_card(tmp_path, capsy
     with pytest.raises(ValueError, match="local model folder"):
         lc.main(["score", "--model", "someone/on-the-hub", "--suite", str(tmp_path / "suite"), "--card"])
 
+
+def test_score_plot_writes_a_png_of_accuracy_against_context_length(tmp_path, capsys):
+    """`score --plot PATH` on a saved tiny model writes a PNG that Pillow opens and verifies (the figure's 6 x 4
+    inches at matplotlib's default 100 dpi)."""
+    pytest.importorskip("matplotlib")
+    from conftest import tiny_model
+    from PIL import Image
+
+    lc, tok = suite(), tokenizer()
+    model = tiny_model(vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    lc.write_suite(tmp_path / "suite", tok, lengths=[48, 64], count=1, tasks=("passkey", "kv_hops"))
+    path = tmp_path / "accuracy.png"
+    lc.main(["score", "--model", str(tmp_path / "model"), "--suite", str(tmp_path / "suite"), "--plot", str(path)])
+    assert "accuracy" in capsys.readouterr().out
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == (600, 400), (image.format, image.size)
