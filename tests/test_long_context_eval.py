@@ -143,16 +143,20 @@ def test_score_computes_the_accuracy_by_the_local_evaluate_metric_as_the_fractio
 
 
 
-def test_a_briefly_trained_tiny_model_finds_the_pass_key_far_above_chance():
-    """`train_tiny_model` on pass keys in 48-token contexts (120 steps, a minute on a CPU), then the suite's own
-    scoring on fresh documents at 64 and 128 tokens, the key at every depth: chance is 1 / 4."""
+def test_a_briefly_trained_tiny_model_solves_every_task_far_above_chance():
+    """`train_tiny_model` on all three tasks in 48-token contexts (210 steps, the tasks in turn within each batch),
+    then the suite's own scoring on fresh documents at 64 and 128 tokens, the decisive facts at every depth: chance is
+    1 / 4. The pass key is the quickest to learn; the key-value chains and the tool traces (whose choices are numbers
+    a few apart, the failed attempt's among them) take most of the steps."""
     lc, tok = suite(), tokenizer()
-    model, untrained = lc.train_tiny_model(tok, tasks=("passkey",), length=48, steps=120)
-    docs = [doc for length in (64, 128) for doc in lc.make_documents("passkey", tok, length, count=20, seed=5)]
+    model, untrained = lc.train_tiny_model(tok, tasks=lc.TASKS, length=48, steps=210)
+    docs = [doc for task in lc.TASKS for length in (64, 128) for doc in lc.make_documents(task, tok, length, 16, seed=5)]
     trained, before = lc.score(model, tok, docs), lc.score(untrained, tok, docs)
-    for length in (64, 128):
-        assert trained["passkey", length] >= 0.6, (trained, before)
-        assert trained["passkey", length] >= before["passkey", length] + 0.3, (trained, before)
+    floors = {"passkey": 0.6, "kv_hops": 0.55, "tool_trace": 0.55}
+    for task in lc.TASKS:
+        for length in (64, 128):
+            assert trained[task, length] >= floors[task], (task, length, trained, before)
+            assert trained[task, length] >= before[task, length] + 0.25, (task, length, trained, before)
 
 
 def test_score_writes_the_accuracies_into_the_model_folders_card(tmp_path, capsys):
