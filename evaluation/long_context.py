@@ -13,7 +13,8 @@ Three tasks, each a multiple-choice question after a long context (chance = 1 / 
   for the final stored result, and the value of the failed attempt is among the choices.
 Lengths are in tokens of the tokenizer given (the filler is cut to fit). Every document records `task`, `length`,
 `depth`, `context`, `question`, `choices` and `label`. `score` reads the same files and scores each choice by its
-log-likelihood after context + question (what lm-evaluation-harness's `multiple_choice` does), batch by batch.
+log-likelihood after context + question (what lm-evaluation-harness's `multiple_choice` does), batch by batch, and
+computes the accuracy with `evaluate` (a local metric, `evaluation/metrics/accuracy`, so it needs no network).
 """
 
 import argparse
@@ -26,6 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FILLER = ROOT / "examples" / "data" / "corpus.txt"
+# a local `evaluate` metric (loaded by path, so scoring runs offline): what the Hub's `accuracy` computes
+ACCURACY_METRIC = Path(__file__).resolve().parent / "metrics" / "accuracy"
 TASKS = ("passkey", "kv_hops", "tool_trace")
 WORDS = ("red", "blue", "green", "black", "white", "gold", "grey", "pink")
 NAMES = ("Ava", "Ben", "Cal", "Dan", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon", "Kit", "Lea")
@@ -170,12 +173,16 @@ def choice_logliks(model, tokenizer, doc: dict, prefill_chunk: int = PREFILL_CHU
 
 def score(model, tokenizer, docs: list[dict], timings: dict | None = None,
           prefill_chunk: int = PREFILL_CHUNK) -> dict[tuple[str, int], float]:
-    """Accuracy per (task, length): the chosen answer is the choice of highest log-likelihood. With `timings` (a dict),
-    also records per (task, length) the seconds per document and, on CUDA, the peak memory in GiB."""
+    """Accuracy per (task, length), computed by `evaluate` (the local metric at `ACCURACY_METRIC`): the chosen answer
+    is the choice of highest log-likelihood. With `timings` (a dict), also records per (task, length) the seconds per
+    document and, on CUDA, the peak memory in GiB."""
     import time
 
+    import evaluate
+
+    accuracy = evaluate.load(str(ACCURACY_METRIC))
     model.eval()
-    hits: dict[tuple[str, int], list[bool]] = {}
+    chosen: dict[tuple[str, int], tuple[list[int], list[int]]] = {}  # (predictions, references)
     for doc in docs:
         key = (doc["task"], doc["length"])
         if torch.cuda.is_available():
@@ -183,15 +190,20 @@ def score(model, tokenizer, docs: list[dict], timings: dict | None = None,
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         logliks = choice_logliks(model, tokenizer, doc, prefill_chunk)
-        hits.setdefault(key, []).append(max(range(len(logliks)), key=logliks.__getitem__) == doc["label"])
+        predictions, references = chosen.setdefault(key, ([], []))
+        predictions.append(max(range(len(logliks)), key=logliks.__getitem__))
+        references.append(doc["label"])
         if timings is not None:
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
             seconds, memory = timings.get(key, (0.0, peak))
             timings[key] = (seconds + time.perf_counter() - start, max(memory, peak))
     if timings is not None:
         for key in timings:
-            timings[key] = (timings[key][0] / len(hits[key]), timings[key][1])
-    return {key: sum(v) / len(v) for key, v in sorted(hits.items())}
+            timings[key] = (timings[key][0] / len(chosen[key][0]), timings[key][1])
+    return {
+        key: accuracy.compute(predictions=predictions, references=references)["accuracy"]
+        for key, (predictions, references) in sorted(chosen.items())
+    }
 
 
 def train_tiny_model(tokenizer, tasks=TASKS, length: int = 48, steps: int = 200, batch_size: int = 16, seed: int = 0):
