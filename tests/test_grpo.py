@@ -54,6 +54,123 @@ def test_rollout_and_training_logps_are_identical_under_any_row_order():
     assert torch.equal(single.detach()[valid], rollout[valid])
 
 
+
+def rl_model(**overrides):
+    """A tiny model with TRL's fused LM head added, as `GRPOTrainer` adds it (TRL >= 1.0)."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = tiny_model(**overrides)
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model
+
+
+def completion_logps(model, head, input_ids, labels, autocast=True, **inputs):
+    """Training forward (autograd on) under bf16 autocast: the log-probabilities of the labelled tokens, flattened
+    [N] fp32 in row order. head "logits": log-softmax of the fp32 logits, as `token_logps`; "fused": TRL
+    `GRPOTrainer`'s `model(..., labels=labels, fused_lm_head=True).log_probs`."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.enable_grad():
+        if head == "fused":
+            logps = model(input_ids=input_ids, labels=labels, fused_lm_head=True, **inputs).log_probs
+        else:
+            logits = model(input_ids=input_ids, **inputs).logits[:, :-1].float()
+            logps = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return logps[labels[:, 1:] != -100]
+
+
+def grpo_batch(vocab_size, prompt_lengths=(10, 7, 3, 9, 5, 1), completion_lengths=(14, 3, 11, 1, 8, 14)):
+    """(sequences, labels): prompt + completion token lists, the labels -100 on the prompt (GRPO scores the
+    completion only)."""
+    generator = torch.Generator().manual_seed(0)
+    sequences, labels = [], []
+    for p, c in zip(prompt_lengths, completion_lengths):
+        tokens = torch.randint(1, vocab_size, (p + c,), generator=generator)
+        sequences.append(tokens)
+        labels.append(tokens.masked_fill(torch.arange(p + c) < p, -100))
+    return sequences, labels
+
+
+def padded(sequences, labels, left):
+    """Rows of one width, pad id 0: each row padded by left[i] tokens on the left and the rest on the right (GRPO
+    left-pads the prompts and right-pads the completions)."""
+    width = max(l + len(s) for l, s in zip(left, sequences))
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    label_rows = torch.full_like(input_ids, -100)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (l, s, y) in enumerate(zip(left, sequences, labels)):
+        input_ids[i, l : l + len(s)], label_rows[i, l : l + len(s)], attention_mask[i, l : l + len(s)] = s, y, 1
+    return {"input_ids": input_ids, "labels": label_rows, "attention_mask": attention_mask}
+
+
+def packed(sequences, labels):
+    """One row, position ids restarting at 0 per sequence, no attention mask (padding-free packing)."""
+    return {
+        "input_ids": torch.cat(sequences)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None],
+    }
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("head", ["logits", "fused"])
+def test_gradient_checkpointing_keeps_the_training_logps_and_the_policy_gradient(head, reentrant):
+    """Activation checkpointing (GRPOConfig's default) recomputes each decoder layer in the backward: the training
+    log-probabilities and the gradients of a GRPO-like loss (sum of log-probabilities times advantages) are those of
+    the forward without it under bf16 autocast with Quantile Balancing on: bit for bit, reentrant checkpointing's
+    gradients to fp32 rounding."""
+    input_ids, attention_mask = left_padded_batch(97)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    advantages = torch.randn(int(attention_mask[:, 1:].sum()), generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointing in (False, True):
+        model = rl_model().train()  # a fresh model each time: the backward applies Quantile Balancing's staged bias
+        if checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": reentrant})
+        calls = []
+        next(model.model.layers[0].children()).register_forward_hook(lambda *args: calls.append(1))
+        logps = completion_logps(model, head, input_ids, labels, attention_mask=attention_mask)
+        (logps * advantages).sum().backward()
+        assert len(calls) == (2 if checkpointing else 1), "the checkpointed layer's modules run again in the backward"
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logps.detach(), grads))
+    (plain, plain_grads), (checkpointed, checkpointed_grads) = results
+    assert torch.equal(checkpointed, plain), (checkpointed - plain).abs().max()
+    assert plain_grads.keys() == checkpointed_grads.keys() and len(plain_grads) > 100
+    for name, grad in plain_grads.items():
+        if reentrant:  # the backward of each recomputed layer returns its input gradients on their own, which are
+            # summed into the embedding's and the AttnRes blocks' gradients in another order: fp32 rounding
+            torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(checkpointed_grads[name], grad), (name, (checkpointed_grads[name] - grad).abs().max())
+
+
+@pytest.mark.parametrize("head", ["logits", "fused"])
+def test_packed_training_logps_equal_the_padded_rows(head):
+    """Padding-free packing (one row, position ids restarting per sequence) gives the training log-probabilities of
+    the completions that the sequences get alone and in right-padded rows, bit for bit under bf16 autocast.
+
+    Left padding keeps the function but not the bf16 rounding: the chunked KDA core (fp32, chunks of 64 tokens cut
+    into tiles of 16) splits its sums where the chunks and tiles fall, so a sequence that starts k tokens into its
+    row rounds its fp32 KDA outputs differently (~1e-7) unless k is a multiple of 64; under bf16 autocast the next
+    bf16 cast flips some of those roundings into bf16-size differences of the log-probabilities. Packed and
+    left-padded agree to fp32 rounding without autocast; under autocast, rows padded by whole chunks agree bit for bit.
+    A rollout and a training forward of one layout (both packed, or both in the same padded rows, as
+    `GRPOTrainer` runs them) agree bit for bit."""
+    model = rl_model().train()
+    sequences, labels = grpo_batch(model.config.vocab_size)
+    one_row = completion_logps(model, head, **packed(sequences, labels))
+    alone = torch.cat([completion_logps(model, head, s[None], y[None]) for s, y in zip(sequences, labels)])
+    assert torch.equal(one_row, alone), (one_row - alone).abs().max()
+    right_padded = completion_logps(model, head, **padded(sequences, labels, left=[0] * len(sequences)))
+    assert torch.equal(one_row, right_padded), (one_row - right_padded).abs().max()
+    chunk_padded = completion_logps(model, head, **padded(sequences, labels, left=[64 * (i % 3) for i in range(6)]))
+    assert torch.equal(one_row, chunk_padded), (one_row - chunk_padded).abs().max()
+    # GRPO's layout: prompts left-padded to the longest, completions right-padded.
+    left = [10 - int((y == -100).sum()) for y in labels]  # prompts of up to 10 tokens
+    one_row_fp32 = completion_logps(model, head, **packed(sequences, labels), autocast=False)
+    left_padded_fp32 = completion_logps(model, head, **padded(sequences, labels, left), autocast=False)
+    torch.testing.assert_close(left_padded_fp32, one_row_fp32, rtol=0, atol=1e-5)  # fp32 rounding of logps ~ -5
+
+
 @pytest.mark.parametrize("autocast, tolerance", [(False, 1e-5), (True, 1e-2)])
 def test_generate_logits_match_the_training_forward(autocast, tolerance):
     """generate()'s per-step logits (cached decode: recurrent KDA, latent MLA cache) against one training forward of
