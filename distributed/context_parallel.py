@@ -2,6 +2,7 @@
 
     model = context_parallel(model, group)          # or a DeviceMesh (its "cp" dimension, or a 1-D mesh)
     inputs = shard_batch(batch, group)              # this rank's slice of input_ids / position_ids / labels
+                                                    # (or ContextParallelCollator(group) in place of the collator)
     loss = model(**inputs).loss                     # this rank's share: the global loss is the sum over ranks
     loss.backward()                                 # then sum the parameter gradients over the group
 
@@ -461,8 +462,52 @@ def shard_batch(batch: dict, group) -> dict:
     return shard
 
 
+class ContextParallelCollator:
+    """A data collator for context parallelism: `collator` (by default transformers' `DataCollatorWithFlattening`,
+    which packs the examples into one row, position ids restarting at 0 at each document) builds the whole row(s),
+    then `shard_batch` cuts out this rank's slice, with the shifted labels and the scored tokens of the whole row(s)
+    (see `shard_batch`). Every rank of the group must collate the same examples.
+
+    `mesh_or_group`: as `context_parallel` takes it. `pad_token_id`: when set, rows whose length does not split into
+    equal slices get unscored pad tokens (labels -100) appended up to the next multiple of the group size, in packed
+    rows as one more document; they change neither the loss nor the gradients (they do pass through the routers and
+    count in Quantile Balancing's statistics). When None, such rows raise."""
+
+    def __init__(self, mesh_or_group, collator=None, *, pad_token_id: int | None = None):
+        if collator is None:
+            from transformers import DataCollatorWithFlattening
+
+            collator = DataCollatorWithFlattening(return_tensors="pt")
+        self.group = _context_parallel_group(mesh_or_group)
+        self.collator = collator
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features) -> dict:
+        batch = dict(self.collator(features))
+        padding = -batch["input_ids"].shape[-1] % dist.get_world_size(self.group)
+        if padding and self.pad_token_id is not None:
+            batch = _pad_row(batch, padding, self.pad_token_id)
+        return shard_batch(batch, self.group)
+
+
+def _pad_row(batch: dict, padding: int, pad_token_id: int) -> dict:
+    """`padding` unscored tokens appended to every row: a document of their own in packed rows (position ids from 0);
+    after the last token of plain rows (no position_ids), which causal attention keeps from every earlier token."""
+    input_ids = batch["input_ids"]
+    if batch.get("position_ids") is not None:
+        positions = torch.arange(padding, device=input_ids.device).expand(input_ids.shape[0], -1)
+        batch["position_ids"] = torch.cat([batch["position_ids"], positions.to(batch["position_ids"].dtype)], dim=-1)
+    batch["input_ids"] = F.pad(input_ids, (0, padding), value=pad_token_id)
+    if batch.get("labels") is not None:
+        batch["labels"] = F.pad(batch["labels"], (0, padding), value=-100)
+    if batch.get("attention_mask") is not None:
+        batch["attention_mask"] = F.pad(batch["attention_mask"], (0, padding), value=1)
+    return batch
+
+
 __all__ = [
     "ContextParallel",
+    "ContextParallelCollator",
     "SequenceShard",
     "blockwise_attention",
     "context_parallel",

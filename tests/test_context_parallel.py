@@ -4,7 +4,8 @@ fp64, MLA in one attention block per slice on 2 ranks and in blocks of 3 tokens 
 against its slice of a one-process run, the summed loss and the summed parameter gradients against that run's, and
 that every rank holds the same expert biases after the step. Rows: two plain rows, and packed rows whose documents
 start inside a slice (within the short conv's reach of the next slice), exactly at a slice edge, and run across two
-and three slices. On one process: the KDA slice math on both backends, MLA's blockwise attention against one masked
+and three slices; on 2 ranks the packed rows come from `ContextParallelCollator` (the documents as separate
+examples), one of them 31 tokens long and padded to 32. On one process: the KDA slice math on both backends, MLA's blockwise attention against one masked
 softmax, and the memory of an MLA step under context parallelism, linear in the sequence length."""
 
 import copy
@@ -195,8 +196,7 @@ def row_inputs(documents, vocab_size):
     if documents is None:
         input_ids = torch.randint(1, vocab_size, (2, ROW_LENGTH), generator=generator)
         return {"input_ids": input_ids, "labels": input_ids.clone()}
-    assert sum(documents) == ROW_LENGTH
-    input_ids = torch.randint(1, vocab_size, (1, ROW_LENGTH), generator=generator)
+    input_ids = torch.randint(1, vocab_size, (1, sum(documents)), generator=generator)
     position_ids = torch.cat([torch.arange(length) for length in documents])[None]
     labels = input_ids.masked_fill(position_ids == 0, -100)  # as DataCollatorWithFlattening: no target across documents
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
@@ -206,12 +206,27 @@ def gradients(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def check_context_parallel(model, reference, group, label):
-    """Every row of ROWS on `group` against the one-process run of `reference` (same weights, loaded here)."""
+def collated_inputs(mesh_or_group, batch, documents, pad_token_id=None):
+    """This rank's inputs from `ContextParallelCollator` (around `DataCollatorWithFlattening`) given the documents of
+    a packed row as separate examples."""
+    from kda_moe.distributed import ContextParallelCollator
+
+    pieces = batch["input_ids"][0].split(documents)
+    collator = ContextParallelCollator(mesh_or_group, pad_token_id=pad_token_id)
+    return collator([{"input_ids": piece.tolist()} for piece in pieces])
+
+
+def check_context_parallel(model, reference, group, label, mesh_or_group=None):
+    """Every row of ROWS on `group` against the one-process run of `reference` (same weights, loaded here). With
+    `mesh_or_group` (which names `group`), the packed rows come from `ContextParallelCollator`, whose inputs equal
+    `shard_batch`'s, and a packed row of 31 tokens comes padded to 32."""
     from kda_moe.distributed import shard_batch
 
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    for index, (name, documents) in enumerate(ROWS.items()):
+    rows = dict(ROWS)
+    if mesh_or_group is not None:
+        rows["collator, 31 tokens padded"] = [3, 11, 17]
+    for index, (name, documents) in enumerate(rows.items()):
         name = f"{label}, {name}"
         # the loss alternately from the logits and chunk by chunk from the head's input (`linear_cross_entropy`)
         model.config.fused_linear_cross_entropy = reference.config.fused_linear_cross_entropy = index % 2 == 1
@@ -220,18 +235,30 @@ def check_context_parallel(model, reference, group, label):
         expected = reference(**batch)
         expected.loss.backward()
 
-        output = model(**shard_batch(batch, group))
+        if mesh_or_group is None or documents is None:
+            inputs = shard_batch(batch, group)
+        elif sum(documents) % world_size:
+            inputs = collated_inputs(mesh_or_group, batch, documents, pad_token_id=0)
+            assert inputs["input_ids"].shape[-1] * world_size == sum(documents) + 1, name
+        else:
+            inputs = collated_inputs(mesh_or_group, batch, documents)
+            expected_inputs = shard_batch(batch, group)
+            assert inputs.keys() == expected_inputs.keys(), name
+            for key, value in expected_inputs.items():
+                assert torch.equal(inputs[key], value), f"{name}: {key}"
+        output = model(**inputs)
         output.loss.backward()
         loss = output.loss.detach().clone()
         dist.all_reduce(loss, group=group)
         for param in model.parameters():
             dist.all_reduce(param.grad, group=group)
 
-        length = ROW_LENGTH // world_size
+        length = inputs["input_ids"].shape[-1]
         assert (output.logits is None) == model.config.fused_linear_cross_entropy
         if output.logits is not None:
-            own = expected.logits[:, rank * length : (rank + 1) * length]
-            torch.testing.assert_close(output.logits, own, rtol=1e-5, atol=1e-9, msg=f"{name}: logits")
+            own = expected.logits[:, rank * length : (rank + 1) * length]  # the padding has no expected logits
+            logits = output.logits[:, : own.shape[1]]
+            torch.testing.assert_close(logits, own, rtol=1e-5, atol=1e-9, msg=f"{name}: logits")
         torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=0, msg=f"{name}: loss")
         expected_grads, grads = gradients(reference), gradients(model)
         assert grads.keys() == expected_grads.keys()
@@ -328,7 +355,7 @@ def worker(rank, tmpdir):
         reference = KdaMoeForCausalLM(hybrid_config()).double().train()
         # two context-parallel groups of 2 ranks side by side (a data parallel x context parallel mesh), then one of 4
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-        check_context_parallel(context_parallel(model, mesh), reference, mesh.get_group("cp"), "2 ranks")
+        check_context_parallel(context_parallel(model, mesh), reference, mesh.get_group("cp"), "2 ranks", mesh)
         check_bad_inputs(model, mesh.get_group("cp"))
         check_fsdp_context_parallel(mesh)
         # MLA in blocks of 3 queries x 3 keys: several key blocks per query block, documents starting inside blocks

@@ -1,6 +1,7 @@
 """The examples run as users run them (subprocesses, offline, FutureWarnings as errors): the README demo with its
 defaults on the base install, the datasets + evaluate fine-tuning script, the scaled-down context-extension curriculum
-and the multimodal chat; plus the chunked loss the curriculum relies on."""
+(on one process and on 2 context-parallel ranks under torchrun) and the multimodal chat; plus the chunked loss the
+curriculum relies on."""
 
 import importlib.util
 import json
@@ -123,3 +124,23 @@ def test_multimodal_chat_trains_saves_reloads_and_replies(tmp_path):
     assert "image tokens" in result.stdout and "assistant: " in result.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "kda_moe" and (out / "processor_config.json").exists()
+
+
+def test_context_extension_curriculum_runs_context_parallel_on_2_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 examples/context_extension.py --scale-down` on CPU (gloo): every stage trains with
+    each packed row split across the 2 ranks, with finite losses, and saves a checkpoint the next stage loads."""
+    env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONWARNINGS"] = "error::FutureWarning"  # as run_example's -W, in every rank
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLES / "context_extension.py"), "--scale-down", "--no-progress-bar"]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, f"torchrun exited {result.returncode}:\n{output}"
+    stages = json.loads((tmp_path / "outputs" / "context_extension" / "stages.json").read_text())
+    assert len(stages) == 4 and stages[0]["init_from"] == "fresh model"
+    for previous, stage in zip(stages, stages[1:]):
+        assert stage["init_from"] == previous["saved_to"]
+    for stage in stages:
+        assert stage["context_parallel_ranks"] == 2 and stage["documents_per_row"] > 1
+        assert len(stage["losses"]) == stage["steps"] and all(math.isfinite(x) for x in stage["losses"])
+        assert (tmp_path / stage["saved_to"] / "config.json").exists()
