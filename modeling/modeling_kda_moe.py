@@ -1383,9 +1383,9 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 
     The layer carries `(partial, blocks)`: with plain residuals `partial` is the residual stream and `blocks` stays
     None; with Block AttnRes each sublayer reads a depth mixture of the stored blocks and the partial sum, and a new
-    block starts every `attn_res_block_size` layers. It returns `(partial, started)`: `started` is the stored blocks
-    with the new one where the layer starts a block, else None (the caller keeps its blocks: a layer never returns
-    its input, which FSDP2 would see as a view).
+    block starts every `attn_res_block_size` layers (the embedding, stored by the model, is the first). It returns
+    `(partial, started)`: `started` is the stored blocks with this layer's input appended where a later block starts
+    here, else None (the caller keeps its blocks: a layer never returns its input, which FSDP2 would see as a view).
     """
 
     def __init__(self, config: KdaMoeTextConfig, layer_idx: int):
@@ -1423,8 +1423,8 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
         partial, blocks = hidden_states, attn_res_blocks
         mixed = partial if self.attn_res is None else self.attn_res(partial, blocks)
         started = None
-        if self.starts_block:  # a new tensor, not a view of `partial`
-            blocks = started = torch.stack([partial]) if blocks is None else torch.cat([blocks, partial[None]], dim=0)
+        if self.starts_block and self.layer_idx > 0:  # the first block, the embedding, is stored by the model
+            blocks = started = torch.cat([blocks, partial[None]], dim=0)
 
         normed = self.input_layernorm(mixed)
         if self.layer_type == "linear_attention":
@@ -1949,7 +1949,8 @@ class KdaMoeTextModel(KdaMoePreTrainedModel):
             mask_mapping = layer_type_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
-        hidden_states, blocks = inputs_embeds, None
+        # with Block AttnRes the embedding is the first stored block ([1, B, T, d], a view of it)
+        hidden_states, blocks = inputs_embeds, None if self.out_res is None else inputs_embeds[None]
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, started = decoder_layer(
                 hidden_states,
