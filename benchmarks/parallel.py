@@ -189,10 +189,10 @@ def timed(step, steps: int, device, together: bool) -> float:
             torch.cuda.synchronize()
         if index:
             times.append(time.perf_counter() - start)
-    median = torch.tensor(sorted(times)[len(times) // 2])
+    slowest = torch.tensor(median(times))
     if together:
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
 
 
 def peak_memory(device, together: bool) -> float | None:
@@ -375,8 +375,7 @@ def run_layout(folder, layout, world, tokens, steps, device, dtype) -> dict:
             del step
         else:
             split = split_step(model, phases, optimizer, steps, device)
-            result = dict(s=split["s"], tok_s=distinct / split["s"], peak_GB=split["peak_GB"])
-            result.update(split)
+            result = dict(split, tok_s=distinct / split["s"])
         del model, phases, optimizer
     shared = [result]
     dist.broadcast_object_list(shared, src=0)
