@@ -61,8 +61,9 @@ def test_kda_benchmark_writes_its_table_with_our_errors(tmp_path, monkeypatch, i
 
 
 def test_kda_benchmark_without_fast_times_each_stage_and_kernel(tmp_path, monkeypatch, interpreted_kda_benchmark):
-    """Without ``fast`` the benchmark also times each stage of our pipeline alone (stand-in timings here) and profiles
-    one forward + backward per kernel (on CPU the profiler sees the interpreter's torch ops, longest first)."""
+    """Without ``fast`` the benchmark also times each stage of our pipeline alone (stand-in timings here), profiles
+    one forward + backward per kernel (on CPU the profiler sees the interpreter's torch ops, longest first) and times
+    the softplus gate under both gate draws."""
     bench = interpreted_kda_benchmark
     monkeypatch.setattr(bench, "SHAPES", [(1, 64, 1, 16)])
     profile_once = bench.kernel_times
@@ -75,6 +76,9 @@ def test_kda_benchmark_without_fast_times_each_stage_and_kernel(tmp_path, monkey
                                        "bwd_state_grads", "bwd_wy_grads", "bwd_gate_grads"}
     times = list(result["kernel_ms"].values())
     assert times and all(ms > 0 for ms in times) and times == sorted(times, reverse=True)
+    (row,) = result["rows"]  # the softplus gate under both draws: the benchmark's steep gates and mild_dt_bias's
+    assert row["ours_softplus_fwd_ms"] == row["ours_softplus_mild_fwd_ms"] == row["ours_softplus_mild_fwdbwd_ms"] == 1.0
+    assert "ours softplus, mild gates" in (tmp_path / "kda_bench.md").read_text()
 
 
 def test_kda_benchmark_decode_tables_time_the_fused_layer_step(tmp_path, monkeypatch, interpreted_kda_benchmark):
