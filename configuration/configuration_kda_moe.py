@@ -186,7 +186,7 @@ class KdaMoeTextConfig(PreTrainedConfig):
         linear_num_heads, linear_head_dim: heads H and head dim K (= V) of the KDA layers.
         linear_conv_kernel_dim: kernel of the causal depthwise short convolution on q, k, v.
         gate_lower_bound (`float` or `None`): `None` = Kimi Linear decay `-exp(A_log) * softplus(z)`; a float in
-            [-8.0, 0) = bounded decay `lower_bound * sigmoid(exp(A_log) * z)` (K3 uses -5.0).
+            [-5.9, 0) = bounded decay `lower_bound * sigmoid(exp(A_log) * z)` (K3 uses -5.0).
         use_full_rank_gate: output gate `g_proj: d -> H*K` (K3) instead of the rank-K `g_b(g_a(x))` (Kimi Linear).
     MLA:
         num_attention_heads, q_lora_rank (`None` = no query compression), kv_lora_rank, qk_nope_head_dim,

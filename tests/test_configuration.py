@@ -269,7 +269,7 @@ BAD_VALUES = [
     ("mlp_layer_types", {"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}),
     ("gate_lower_bound", {"gate_lower_bound": 0.0}),
     ("gate_lower_bound", {"gate_lower_bound": 0.5}),
-    ("gate_lower_bound", {"gate_lower_bound": -8.5}),
+    ("gate_lower_bound", {"gate_lower_bound": -6.0}),
     ("routed_expert_hidden_size", {"routed_expert_hidden_size": 257}),
     ("routed_expert_hidden_size", {"routed_expert_hidden_size": 0}),
     ("linear_num_heads", {"linear_num_heads": 0}),
@@ -326,7 +326,7 @@ def test_bad_assignment_after_init_raises_value_error():
 
 def test_boundary_values_are_accepted():
     c = KdaMoeTextConfig(
-        gate_lower_bound=-8.0, routed_expert_hidden_size=250, num_shared_experts=0, linear_conv_kernel_dim=1,
+        gate_lower_bound=-5.9, routed_expert_hidden_size=250, num_shared_experts=0, linear_conv_kernel_dim=1,
         attn_res_block_size=1, activation_situ_linear_beta=None, q_lora_rank=None, num_experts_per_tok=8,
         hidden_size=250, n_group=4, topk_group=4, hidden_act="silu", router_balancing="none", kernel_backend="torch",
     )  # fmt: skip

@@ -9,7 +9,6 @@ gradients, which tests/test_triton_gpu.py checks again on the GPU at full size.
 """
 
 import dataclasses
-import math
 import os
 
 import pytest
@@ -218,13 +217,8 @@ def _diagonal_paths(x, lb, BK=32):
     return int(tiles.sum()), int((quarters & ~tiles).sum()), int((~quarters).sum())
 
 
-# per-token log decays of steep slices, and what each takes with DIAG_SPAN = 128: 25 spans 400 a tile but 75 a quarter
-# tile (first row to last), 50 spans 150 a quarter tile
-QUARTERS_DECAY, COLUMNS_DECAY = 25.0, 50.0
-
-
 @pytest.mark.parametrize("gate_bk", [32, 16])
-@pytest.mark.parametrize("lb", [-50.0, None], ids=["bounded-beyond-safe-range", "softplus"])
+@pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
 def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, gate_bk, monkeypatch):
     """Without a guarantee from the gate bound, each chunk's K slice checks its tiles' decay: mild ones keep the
     diagonal blocks in the row tiles' GEMMs, steeper ones take them as quarter-tile GEMMs, the steepest sum them
@@ -234,20 +228,16 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
 
     x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
     x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
-    # logits giving each slice about its decay per token: softplus gate 2 softplus(z), bounded -lb sigmoid(2 z)
-    logit = (lambda d: math.log(math.expm1(d / 2))) if lb is None else (lambda d: 0.5 * math.log(d / (-lb - d)))
     x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.4) per tile
-    x["g"][0, 64:128, 1, 32:] = logit(QUARTERS_DECAY)  # head 1, chunk 1, second K slice
-    x["g"][0, 64:128, 0, 32:] = logit(COLUMNS_DECAY) if lb is None else 20.0  # head 0, chunk 1: -lb per token
+    x["g"][0, 128:, 0, :32] = 5.0 if lb is None else 0.0  # head 0's first K slice of chunk 2: e^-10 (e^-20) per token
+    x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 per token
     paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, gate_bk)}  # the forward's K slices, the gate kernel's
     assert all(min(counts) > 0 for counts in paths.values()), paths
     o, ht, grads = kda_forward_backward(x, lb, None, True, launch=fp32_launches(x, lb, gate_bk=gate_bk))
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     for n in grads:
-        # A_log's gradient sums a head's every token and channel, which cancel most in the steepest slices
-        tol = 1e-4 if n == "A_log" else 1e-5
-        assert rel(grads[n], rgrads[n]) < tol, (n, rel(grads[n], rgrads[n]))
+        assert rel(grads[n], rgrads[n]) < 1e-5, (n, rel(grads[n], rgrads[n]))  # measured: 8e-7 at most
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
     monkeypatch.setattr(chunk_tiles, "DIAG_SPAN", tl.constexpr(-1.0))
     o_safe, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
@@ -257,15 +247,15 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
     assert not torch.isfinite(o_gemm).all()
 
 
-@pytest.mark.parametrize("decay, path", [(6.5, 0), (QUARTERS_DECAY, 1), (COLUMNS_DECAY, 2)],
-                         ids=["row-tiles", "quarter-tiles", "columns"])
+@pytest.mark.parametrize("decay, path", [(5.3, 0), (20.0, 1), (40.0, 2)], ids=["row-tiles", "quarter-tiles", "columns"])
 def test_gate_gradients_in_steep_channels(decay, path):
     """A pair of tokens i >= j moves the decay gradient by +P at i and -P at j; for i = j (A_qk's diagonal), and for
     the chunk's last key in the state update, that is exactly nothing. Those decay-1 terms are the largest where a
     channel decays steeply, where the true gate gradients are tiny: formed as two sums that round differently, they
     would leave a residual that the decay cumsum's backward multiplies by G (up to -64 * decay). Kept out of dG, the
     fp32 gate gradients match the fp64 reference to 2e-4 however the diagonal blocks are summed (``decay``: -log of
-    each token's decay, ``path`` the way its K slices take)."""
+    each token's decay, ``path`` the way its K slices take; measured at most 7e-5). With the decay-1 terms in dG,
+    dt_bias's would be off by 5e-4, 4e2 and 5e1."""
     x = with_steep_gates(kda_inputs(1, 128, 2, 32, 16, torch.float32), decay)
     paths = _diagonal_paths(x, None)  # (row tiles, quarter tiles, columns)
     assert paths[path] == sum(paths), paths

@@ -10,7 +10,7 @@ Args:
     beta: ``[B, T, H]`` logits.
     A_log: ``[H]``; dt_bias: ``[H*K]`` (fp32).
     gate_lower_bound: None (``-exp(A_log) softplus(z)``) or a negative float
-        (``lb * sigmoid(exp(A_log) z)``; with ``|lb| <= 8`` every intra-chunk tile is a GEMM).
+        (``lb * sigmoid(exp(A_log) z)``; with ``|lb| <= 5.9`` every intra-chunk tile is a GEMM).
     scale: query scale, default ``K ** -0.5``.
     initial_state: ``[N, H, K, V]`` fp32 (N = B, or the number of sequences with cu_seqlens).
     output_final_state: also return the fp32 final state.

@@ -8,8 +8,8 @@ Decay between two tokens, ``exp(G_i - G_j)`` with ``i >= j``, is only ever forme
 two factors that cannot overflow, split at a reference ``r_R`` of the row tile R that holds ``i``:
 ``exp(G_i - r_R) * exp(r_R - G_j)``. So every row tile of a score matrix is one tensor-core GEMM:
 
-* when no channel decays by more than ``DIAG_SPAN`` (e^-128) across a 16-token tile, ``r_R`` is the tile's mid
-  decay: within the tile both factors lie within ``exp(64)`` and columns before it only shrink, so the diagonal
+* when no channel decays by more than ``DIAG_SPAN`` (e^-94.4) across a 16-token tile, ``r_R`` is the tile's mid
+  decay: within the tile both factors lie within ``exp(47.2)`` and columns before it only shrink, so the diagonal
   block is in the GEMM too. A bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``) guarantees it for every
   tile; for any other gate (softplus, or bounded beyond that) the kernels check it per chunk and K slice
   (``tile_references``);
@@ -21,11 +21,11 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
 
 from ..backend import tl, triton
 from .reference import L2NORM_EPS
-from .tile_limits import CHUNK_SIZE, DIAG_SPAN as _DIAG_SPAN, SAFE_LOWER_BOUND
+from .tile_limits import CHUNK_SIZE, SAFE_LOWER_BOUND
 
 BT = tl.constexpr(CHUNK_SIZE)  # the chunk length as a constexpr the kernels read
 NORM_EPS = tl.constexpr(L2NORM_EPS)
-DIAG_SPAN = tl.constexpr(_DIAG_SPAN)  # the largest decay (-log) across a tile or sub-tile factored at one reference
+DIAG_SPAN = tl.constexpr(16 * SAFE_LOWER_BOUND)  # the largest decay (-log) across a tile whose diagonal is a GEMM
 SUBTILE = tl.constexpr(4)  # rows of the quarter tiles the diagonal blocks fall back to where a tile decays too far
 
 

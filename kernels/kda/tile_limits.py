@@ -2,12 +2,9 @@
 before a kernel is chosen: the chunk length, the head dims and the gate bound within which every tile is a GEMM."""
 
 CHUNK_SIZE = 64  # tokens per chunk of the chunked kernels (four 16-row tensor-core tiles) and the reference's default
-# the largest decay (-log) across a 16-token tile (or a sub-tile) whose pair decays the kernels factor at one reference
-# in its middle: both factors stay within e^64, which leaves operands up to e^24 of fp32's (and bf16's) e^88 range
-DIAG_SPAN = 128.0
-# |gate_lower_bound| up to which a bounded gate keeps every 16-token tile within DIAG_SPAN, so the kernels' diagonal
-# tiles are dense GEMMs
-SAFE_LOWER_BOUND = DIAG_SPAN / 16
+# |gate_lower_bound| up to which a bounded gate keeps every 16-token tile's decay within what one fp32 reference can
+# factor (e^-94.4 across a tile), so the kernels' diagonal tiles are dense GEMMs
+SAFE_LOWER_BOUND = 5.9
 
 
 def fits_triton_tiles(K: int, V: int) -> bool:
