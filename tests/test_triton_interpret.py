@@ -217,6 +217,43 @@ def _diagonal_paths(x, lb, BK=32):
     return int(tiles.sum()), int((quarters & ~tiles).sum()), int((~quarters).sum())
 
 
+def _mixed_steepness_inputs(lb):
+    """Inputs [1, 192, 2, 64] (fp32) whose gate (``lb``) keeps most (chunk, head, K slice)s mild and three steep."""
+    x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
+    x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
+    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.4) per tile
+    x["g"][0, 128:, 0, :32] = 5.0 if lb is None else 0.0  # head 0's first K slice of chunk 2: e^-10 (e^-20) per token
+    x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 per token
+    return x
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 192]], ids=["batch", "varlen"])
+@pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
+def test_steep_chunk_flags_mark_the_chunks_that_run_with_the_fallbacks(lb, cu_seqlens):
+    """Where no gate bound guarantees the GEMMs, the chunk and gate-gradient kernels run twice: GEMM-only over the
+    chunks whose every tile stays within DIAG_SPAN, with the fallbacks over the others. The flags that split them
+    mark exactly the (chunk, head)s with a channel decaying by more than DIAG_SPAN across one of its 16-token tiles;
+    unused varlen slots stay unmarked."""
+    from kda_moe.kernels.kda.chunk_fwd import kda_call
+    from kda_moe.kernels.kda.chunk_tiles import DIAG_SPAN
+    from kda_moe.kernels.kda.steep_chunks import steep_chunk_flags
+
+    x = _mixed_steepness_inputs(lb)
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    call = kda_call(*(x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), lb, 0.125, cu)
+    G = kda_gate(x["g"].double(), x["A_log"], x["dt_bias"], lb)[0]  # [T, H, K], each token's log decay
+    bounds = cu_seqlens or [0, G.shape[0]]
+    expected = []
+    for bos, eos in zip(bounds, bounds[1:]):
+        for t0 in range(bos, eos, 64):  # a chunk's tiles, cut at the sequence end
+            spans = [(-G[t:min(t + 16, eos)].sum(0)).amax(-1) for t in range(t0, min(t0 + 64, eos), 16)]
+            expected.append(torch.stack(spans).amax(0) > DIAG_SPAN.value)
+    expected = torch.stack(expected).to(torch.int8)
+    flags = steep_chunk_flags(call)
+    assert 0 < int(expected.sum()) < expected.numel()
+    assert torch.equal(flags[:len(expected)], expected) and not flags[len(expected):].any()
+
+
 @pytest.mark.parametrize("gate_bk", [32, 16])
 @pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
 def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, gate_bk, monkeypatch):
@@ -226,11 +263,7 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
     from the column path everywhere; taking the row tiles' GEMMs everywhere instead overflows on the steep slices."""
     from kda_moe.kernels.kda import chunk_tiles
 
-    x = kda_inputs(1, 192, 2, 64, 16, torch.float32)
-    x["A_log"] = torch.log(torch.tensor([2.0, 2.0]))
-    x["g"] = x["g"] * 0.5 - 6.0 if lb is None else x["g"] * 0.5 - 4.0  # about e^-0.09 (e^-0.4) per tile
-    x["g"][0, 128:, 0, :32] = 5.0 if lb is None else 0.0  # head 0's first K slice of chunk 2: e^-10 (e^-20) per token
-    x["g"][0, 64:128, 1, 32:] = 20.0  # head 1's second K slice of chunk 1: e^-40 per token
+    x = _mixed_steepness_inputs(lb)
     paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, gate_bk)}  # the forward's K slices, the gate kernel's
     assert all(min(counts) > 0 for counts in paths.values()), paths
     o, ht, grads = kda_forward_backward(x, lb, None, True, launch=fp32_launches(x, lb, gate_bk=gate_bk))

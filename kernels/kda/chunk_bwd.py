@@ -33,7 +33,8 @@ from ..backend import tl, triton
 from .chunk_fwd import (ChunkBuffers, ForwardLaunch, KdaCall, check_scan_launch, forward_launch, kda_call, mm_dtype,
                         recompute_for_backward, scan_tile, storage_dtype)
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_grads,
-                          fast_diag, gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
+                          gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
+from .steep_chunks import chunk_launches, takes_chunk
 
 GATE_PRECISIONS = ("bf16", "tf32", "tf32x3")
 
@@ -281,15 +282,16 @@ def _gate_back(dga, z, a, lb, BOUNDED: tl.constexpr):
 
 @triton.jit
 def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, dqn_s, dkn_s, dG_s,
-                       dq, dk, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_indices, T, scale, lb,
+                       dq, dk, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_indices, steep, T, scale, lb,
                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
+                       BOUNDED: tl.constexpr, CHUNKS: tl.constexpr, FAST_DIAG: tl.constexpr, MMA: tl.constexpr,
+                       PREC: tl.constexpr):
     """Per chunk and head (step 4 of the module docstring): the score gradients dL / dA_qk through the gated scores,
     one BK-wide K slice at a time, then the decay cumsum, the gate, beta's sigmoid and, once rho sums over all of K,
     the L2 norms."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
-    if ok:
+    if takes_chunk(ok, steep, i_p * H + i_h, CHUNKS):  # the chunks of this launch (steep_chunks.py)
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         slot = (i_p * H + i_h).to(tl.int64)
         o_t = tl.arange(0, BT)
@@ -450,12 +452,13 @@ def launch_gate_grads(call: KdaCall, norms, dL, dAq, dbeta_col, dqn, dkn, dG, la
     dbeta = torch.empty_like(call.beta)
     dA_part = torch.zeros(call.NS, H, device=dev, dtype=torch.float32)
     dbias_part = torch.zeros(call.NS, H, K, device=dev, dtype=torch.float32)
-    _gate_grads_kernel[(call.NS, H)](
-        call.q, call.k, call.g, call.beta, call.A_log, call.dt_bias, norms, dL, dAq, dbeta_col, dqn, dkn, dG, dq, dk,
-        dg, dbeta, dA_part, dbias_part, call.cu_seqlens, call.chunk_indices, T, call.scale, call.lb, H=H, K=K,
-        BK=min(K, launch.gate_bk), IS_VARLEN=call.cu_seqlens is not None, BOUNDED=call.gate_lower_bound is not None,
-        FAST_DIAG=fast_diag(call.gate_lower_bound), MMA=gate_mma, PREC=prec, num_warps=launch.gate_warps,
-        num_stages=launch.gate_stages, maxnreg=launch.gate_maxnreg)
+    for chunks, gemm_only, steep in chunk_launches(call):
+        _gate_grads_kernel[(call.NS, H)](
+            call.q, call.k, call.g, call.beta, call.A_log, call.dt_bias, norms, dL, dAq, dbeta_col, dqn, dkn, dG, dq,
+            dk, dg, dbeta, dA_part, dbias_part, call.cu_seqlens, call.chunk_indices, steep, T, call.scale, call.lb,
+            H=H, K=K, BK=min(K, launch.gate_bk), IS_VARLEN=call.cu_seqlens is not None,
+            BOUNDED=call.gate_lower_bound is not None, CHUNKS=chunks, FAST_DIAG=gemm_only, MMA=gate_mma, PREC=prec,
+            num_warps=launch.gate_warps, num_stages=launch.gate_stages, maxnreg=launch.gate_maxnreg)
     return dq, dk, dg, dbeta, dA_part.sum(0).to(call.A_log.dtype), dbias_part.sum(0).reshape(-1).to(call.dt_bias.dtype)
 
 

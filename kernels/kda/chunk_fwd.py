@@ -19,6 +19,9 @@ state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k 
 ``S <- gamma * S + Kd^T delta`` (k and q normalised: raw rows take their norms here). For the backward it stores
 ``S`` per chunk (fp32 by default) and ``delta``.
 
+Where the gate's bound does not keep every tile a GEMM, the chunk kernel runs twice (``steep_chunks.py``): compiled
+GEMM-only over the chunks that allow it, then with the fallbacks over the others.
+
 ``forward_launch`` picks the kernels' launch settings (a ``ForwardLaunch``) from the shape, dtype and gate;
 ``chunk_kda_fwd`` runs ``launch_chunk_kernel`` then ``launch_output_scan``, and ``recompute_for_backward`` is the
 backward's first stage.
@@ -32,6 +35,7 @@ from ..backend import tl, triton
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_scores,
                           fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
                           scan_start, tile_ends, tile_references, unit_lower_inverse)
+from .steep_chunks import EVERY_CHUNK, chunk_launches, takes_chunk
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,8 @@ class ForwardLaunch:
 
     chunk_warps: int  # warps of the chunk kernel
     chunk_bk: int  # width of the chunk kernel's K and V slices (at most K and V)
-    chunk_stages: int  # software-pipelining depth of the chunk kernel's K loops
+    chunk_stages: int  # software-pipelining depth of the chunk kernel's K loops where every tile is a GEMM
+    steep_stages: int  # the same over the chunks that may take the fallback paths (``steep_chunks.py``)
     chunk_maxnreg: int | None  # register cap of the chunk kernel (None: the compiler's choice)
     inv_prec: str  # input precision of the 16x16 inverse's products: "ieee" (fp32) or "tf32"
     form_wu: bool  # the chunk kernel forms W and U; else the output scan applies T to v - k e^G S itself
@@ -60,9 +65,10 @@ def forward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, gate_lower_bo
     return ForwardLaunch(
         chunk_warps=4,  # 4 (8 are slower, also at a 128-register cap)
         chunk_bk=32,  # 32-wide slices (16 and 64 are slower)
-        # 4 stages where every tile is a GEMM (bounded gate in the safe range); 2 where the safe path may run, which
-        # deeper pipelining slows
-        chunk_stages=4 if fast_diag(gate_lower_bound) else 2,
+        # 4 stages where every tile is a GEMM (a gate bounded in the safe range, or a chunk no tile of which decays
+        # too far); 2 where the fallback paths may run, which deeper pipelining slows
+        chunk_stages=4,
+        steep_stages=2,
         # 168: three programs per SM, a few registers spilling; 128 for a recompute that loads the kept scores: four
         # per SM without spilling
         chunk_maxnreg=128 if loads_scores else 168,
@@ -186,13 +192,13 @@ def _unit_lower_inverse64(Lm, INV_PREC: tl.constexpr):
 
 @triton.jit
 def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, Nb, gam, cu_seqlens, chunk_indices,
-                  T, scale, lb, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, FAST_DIAG: tl.constexpr,
-                  MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
-                  STORE_NORMS: tl.constexpr, FORM_WU: tl.constexpr):
+                  steep, T, scale, lb, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, CHUNKS: tl.constexpr,
+                  FAST_DIAG: tl.constexpr, MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr,
+                  LOAD_T: tl.constexpr, STORE_NORMS: tl.constexpr, FORM_WU: tl.constexpr):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     ok, bos, t0, L = chunk_coords(cu_seqlens, chunk_indices, i_p, T, IS_VARLEN)
-    if ok:
+    if takes_chunk(ok, steep, i_p * H + i_h, CHUNKS):  # the chunks of this launch (steep_chunks.py)
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         slot = (i_p * H + i_h).to(tl.int64)
         o_c = tl.arange(0, BT)
@@ -411,14 +417,18 @@ def launch_chunk_kernel(call: KdaCall, launch: ForwardLaunch, *, store_scores: b
         Tm = torch.empty_like(Aqk) if kept else None
         norms = torch.empty(B, T, H, 2, device=dev, dtype=torch.float32) if kept else None
     gam = torch.empty(call.NS, H, K, device=dev, dtype=torch.float32)
-    _chunk_kernel[(call.NS, H)](
-        q, k, v, call.g, call.beta, call.A_log, call.dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, call.cu_seqlens,
-        call.chunk_indices, T, call.scale, call.lb, H=H, K=K, V=V, BK=min(K, launch.chunk_bk), BV=min(V, launch.chunk_bk),
-        IS_VARLEN=call.cu_seqlens is not None, BOUNDED=call.gate_lower_bound is not None,
-        FAST_DIAG=fast_diag(call.gate_lower_bound), MMA=mm_dtype(v.dtype), INV_PREC=launch.inv_prec,
-        STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
-        STORE_NORMS=norms is not None and scores is None, FORM_WU=launch.form_wu,
-        num_warps=launch.chunk_warps, num_stages=launch.chunk_stages, maxnreg=launch.chunk_maxnreg)
+    # loading the scores skips the scores pass, the only part that a steep gate changes
+    launches = [(EVERY_CHUNK.value, fast_diag(call.gate_lower_bound), None)] if scores is not None else \
+        chunk_launches(call)
+    for chunks, gemm_only, steep in launches:
+        _chunk_kernel[(call.NS, H)](
+            q, k, v, call.g, call.beta, call.A_log, call.dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, call.cu_seqlens,
+            call.chunk_indices, steep, T, call.scale, call.lb, H=H, K=K, V=V, BK=min(K, launch.chunk_bk),
+            BV=min(V, launch.chunk_bk), IS_VARLEN=call.cu_seqlens is not None,
+            BOUNDED=call.gate_lower_bound is not None, CHUNKS=chunks, FAST_DIAG=gemm_only, MMA=mm_dtype(v.dtype),
+            INV_PREC=launch.inv_prec, STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
+            STORE_NORMS=norms is not None and scores is None, FORM_WU=launch.form_wu, num_warps=launch.chunk_warps,
+            num_stages=launch.chunk_stages if gemm_only else launch.steep_stages, maxnreg=launch.chunk_maxnreg)
     return ChunkBuffers(W, U, Qg, Kd, Aqk, Tm, norms, gam, launch.form_wu)
 
 

@@ -11,8 +11,8 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
 * when no channel decays by more than ``DIAG_SPAN`` (e^-94.4) across a 16-token tile, ``r_R`` is the tile's mid
   decay: within the tile both factors lie within ``exp(47.2)`` and columns before it only shrink, so the diagonal
   block is in the GEMM too. A bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``) guarantees it for every
-  tile; for any other gate (softplus, or bounded beyond that) the kernels check it per chunk and K slice
-  (``tile_references``);
+  tile; for any other gate (softplus, or bounded beyond that) ``steep_chunks.py`` marks the chunks where it fails,
+  and the kernels' launch over those checks it again per K slice (``tile_references``);
 * otherwise ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns before the tile, and
   the diagonal block is summed apart (``diagonal_scores``): by quarter tiles, each split at its own mid decay, as
   GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's four rows, else one column at a time
@@ -96,8 +96,8 @@ def tile_references(G, c1, c2, c3, c4, FAST_DIAG: tl.constexpr):
     tile = (tl.arange(0, BT) // 16)[:, None]
     if FAST_DIAG:
         diag = True
-    else:  # G falls along the chunk: a tile's span is its start's decay minus its end's
-        diag = tl.max(tl.maximum(tl.maximum(-c1, c1 - c2), tl.maximum(c2 - c3, c3 - c4)), 0) <= DIAG_SPAN
+    else:
+        diag = tl.max(tile_spans(c1, c2, c3, c4), 0) <= DIAG_SPAN
     r0 = tile_reference(tl.zeros_like(c1), c1, diag)
     r1 = tile_reference(c1, c2, diag)
     r2 = tile_reference(c2, c3, diag)
@@ -105,6 +105,13 @@ def tile_references(G, c1, c2, c3, c4, FAST_DIAG: tl.constexpr):
     rows = tl.where(tile == 0, r0[None, :], tl.where(tile == 1, r1[None, :], tl.where(tile == 2, r2[None, :],
                                                                                         r3[None, :])))
     return diag, r0, r1, r2, r3, tl.exp(G - rows)
+
+
+@triton.jit
+def tile_spans(c1, c2, c3, c4):
+    """Each channel's largest decay (-log) across one of a chunk's four tiles, from the tile-end decays c1..c4
+    (``tile_ends``; [BK] each): G falls along the chunk, so a tile's span is its start's decay minus its end's."""
+    return tl.maximum(tl.maximum(-c1, c1 - c2), tl.maximum(c2 - c3, c3 - c4))
 
 
 @triton.jit
