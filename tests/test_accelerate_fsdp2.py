@@ -6,14 +6,14 @@ of), and gives the loss and gradients of one process computing in bf16 on the wh
 writes (`save_fsdp_model`, what Trainer saves for `SHARDED_STATE_DICT`) merges with `merge_fsdp_weights` into a
 safetensors file that `from_pretrained` loads, with the model's `config.json` beside it, as the trained model."""
 
-import os
 import types
 import warnings
 
 import pytest
 import torch
 from conftest import tiny_config
-from test_parallel_layouts import bin_error, full, gloo_rank
+from gloo_testing import bin_error, gloo_rank, spawn_gloo_ranks
+from test_parallel_layouts import full
 
 WORLD_SIZE = 2
 ROWS = 2  # a rank
@@ -93,11 +93,10 @@ def runs(tmp_path_factory):
     tmpdir = tmp_path_factory.mktemp("accelerate_fsdp2")
     torch.manual_seed(0)
     KdaMoeForCausalLM(tiny_config()).save_pretrained(tmpdir / "model")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.multiprocessing.spawn(worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
+    ranks = spawn_gloo_ranks(worker, tmpdir, WORLD_SIZE)
     # one process on the whole batch, computing in bf16 like FSDP's parameter dtype
     reference = KdaMoeForCausalLM.from_pretrained(tmpdir / "model").to(torch.bfloat16).train()
-    return tmpdir, [torch.load(tmpdir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)], train(reference, slice(None))
+    return tmpdir, ranks, train(reference, slice(None))
 
 
 def test_activation_checkpointed_fsdp2_gives_the_single_process_loss_and_gradients(runs):
@@ -124,7 +123,7 @@ def test_balancing_biases_are_identical_on_every_rank(runs):
     for name, bias in biases.items():
         assert torch.equal(ranks[1]["biases"][name], bias), name
         expected = reference["biases"][name].float()
-        torch.testing.assert_close(bias.float(), expected, rtol=0, atol=bin_error(expected), msg=name)
+        torch.testing.assert_close(bias.float(), expected, rtol=0, atol=bin_error(expected, tiny_config()), msg=name)
 
 
 def test_merged_sharded_checkpoint_loads_with_from_pretrained_as_the_trained_model(runs):

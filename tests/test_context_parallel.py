@@ -15,11 +15,11 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from conftest import tiny_config
+from gloo_testing import gloo_rank, spawn_gloo_ranks
 
 from kda_moe.kernels.backend import TRITON_AVAILABLE
 from kda_moe.kernels.kda import kimi_delta_attention
@@ -347,9 +347,7 @@ def worker(rank, tmpdir):
     from kda_moe import KdaMoeForCausalLM
     from kda_moe.distributed import context_parallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=4)
-    try:
+    with gloo_rank(rank, tmpdir, 4):
         torch.manual_seed(0)
         model = KdaMoeForCausalLM(hybrid_config()).double().train()
         reference = KdaMoeForCausalLM(hybrid_config()).double().train()
@@ -366,11 +364,7 @@ def worker(rank, tmpdir):
         reference.load_state_dict(model.state_dict())
         batch = row_inputs(ROWS["document start at a slice edge"], model.config.vocab_size)
         torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=0, atol=0)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_context_parallel_on_2_and_4_ranks_matches_one_process(tmp_path):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(worker, args=(str(tmp_path),), nprocs=4, join=True)
+    spawn_gloo_ranks(worker, tmp_path, 4)

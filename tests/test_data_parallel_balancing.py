@@ -4,13 +4,10 @@ pooled batch within the pooled-histogram estimator's bin error, and a checkpoint
 process. DDP runs with `broadcast_buffers=False`, so agreement comes from the router's own pooling, not from DDP
 copying rank 0's buffers."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import tiny_config, tiny_model
+from gloo_testing import bin_error, gloo_rank, spawn_gloo_ranks
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -41,10 +38,8 @@ def router_step(router, hidden):
 
 
 def worker(rank, tmpdir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {"router": [], "model": []}
+    with gloo_rank(rank, tmpdir, WORLD_SIZE) as results:
+        results.update(router=[], model=[])
         # 1. The router alone, the same weights on both ranks, each rank routing its half of the pooled tokens.
         router = new_router()
         for step in range(STEPS):
@@ -67,25 +62,12 @@ def worker(rank, tmpdir):
         model.save_pretrained(f"{tmpdir}/checkpoint", is_main_process=rank == 0)
         with torch.no_grad():
             results["logits"] = model(pooled_input_ids(0, model.config.vocab_size)).logits
-        torch.save(results, f"{tmpdir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmpdir = tmp_path_factory.mktemp("dp")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
-    return tmpdir, [torch.load(tmpdir / f"rank{r}.pt") for r in range(WORLD_SIZE)]
-
-
-def bin_error(bias, config):
-    """What the pooled histogram may cost: its bin width, twice. Each pass reads the quantile within one bin
-    (`column_quantile`), and the damped passes (`QUANTILE_STEP`) keep the accumulated error at about one bin. Margins
-    `s - cutoff` span at most 2 + 4 max|b| (sigmoid scores in (0, 1), cutoffs shifted by the biases)."""
-    return 2 * (2 + 4 * bias.abs().max().item()) / config.router_balancing_bins
+    return tmpdir, spawn_gloo_ranks(worker, tmpdir, WORLD_SIZE)
 
 
 def test_both_ranks_end_every_step_with_identical_biases(ranks):

@@ -4,14 +4,11 @@ freshly sharded model, continues training exactly like the run that never stoppe
 Balancing biases); the consolidated full state dict, saved by rank 0 with `save_pretrained`, loads with
 `from_pretrained` as the trained parameters and biases."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import tiny_config
-from test_parallel_layouts import gloo_rank
+from gloo_testing import gloo_rank, spawn_gloo_ranks
 
 WORLD_SIZE = 2
 
@@ -87,9 +84,7 @@ def runs(tmp_path_factory):
     tmpdir = tmp_path_factory.mktemp("fsdp_checkpoint")
     torch.manual_seed(0)
     KdaMoeForCausalLM(tiny_config()).save_pretrained(tmpdir / "model")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(worker, args=(str(tmpdir),), nprocs=WORLD_SIZE, join=True)
-    return tmpdir, [torch.load(tmpdir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return tmpdir, spawn_gloo_ranks(worker, tmpdir, WORLD_SIZE)
 
 
 def test_resumed_sharded_checkpoint_trains_exactly_like_the_run_that_never_stopped(runs):

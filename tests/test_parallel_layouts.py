@@ -28,10 +28,8 @@ single-process biases, where the batch is split (FSDP) the pooled-histogram esti
 After one optimizer step, the second step's loss equals the single-process one.
 """
 
-import os
 import re
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -39,8 +37,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import tiny_config
+from gloo_testing import bin_error, gloo_rank, spawn_gloo_ranks
 from multimodal_testing import tiny_multimodal_model
 
 from kda_moe.compat import EXPERT_TOKEN_DISPATCH, FSDP_WITH_TENSOR_PARALLEL, HSDP_IN_DISTRIBUTED_CONFIG
@@ -238,22 +236,6 @@ def logits_and_kda_tensors(model):
     return logits, seen
 
 
-@contextmanager
-def gloo_rank(rank, tmpdir, world_size):
-    """This process as rank `rank` of a gloo group of `world_size` (torchrun's environment variables set); yields
-    the dict of results that is saved to `tmpdir/rank{rank}.pt` once every rank is done."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world_size)
-    try:
-        results = {}
-        yield results
-        torch.save(results, f"{tmpdir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def layouts_worker(rank, tmpdir, world_size, folders):
     """Two steps of every layout over `world_size` ranks, and the published layouts loaded on as many ranks: with TP
     and with FSDP over 2 ranks; over 4, Kimi Linear's with FSDP x TP and, where a DistributedConfig lays that out
@@ -322,12 +304,10 @@ def runs(folders, tmp_path_factory):
     """Per world size, what each of its ranks saved (`layouts_worker`, one spawn); the single-process run."""
     from kda_moe import KdaMoeForCausalLM
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     per_world = {}
     for world_size in sorted({layout.ranks for layout in layouts().values()}):
         tmpdir = tmp_path_factory.mktemp(f"{world_size}_ranks")
-        mp.spawn(layouts_worker, args=(str(tmpdir), world_size, str(folders)), nprocs=world_size, join=True)
-        per_world[world_size] = [torch.load(tmpdir / f"rank{rank}.pt") for rank in range(world_size)]
+        per_world[world_size] = spawn_gloo_ranks(layouts_worker, tmpdir, world_size, world_size, str(folders))
     reference = run_two_steps(KdaMoeForCausalLM.from_pretrained(folders / "model"), slice(None))
     return per_world, reference
 
@@ -337,11 +317,6 @@ def layout_runs(runs, name):
     per_world, reference = runs
     layout = layouts()[name]
     return layout, [run[name] for run in per_world[layout.ranks]], reference
-
-
-def bin_error(bias):
-    """What the pooled histogram may cost (see test_data_parallel_balancing.py): twice its bin width."""
-    return 2 * (2 + 4 * bias.abs().max().item()) / tiny_config().router_balancing_bins
 
 
 @pytest.mark.parametrize("name", list(layouts()))
@@ -379,7 +354,7 @@ def test_balancing_biases_are_identical_on_every_rank_and_match_one_process(runs
     if layout.batch_parts > 1:  # pooled histograms: the first step starts from the same biases as the reference
         for bias_name, bias in ranks[0]["biases0"].items():
             exact = reference["biases0"][bias_name]
-            assert (bias - exact).abs().max().item() <= bin_error(exact), bias_name
+            assert (bias - exact).abs().max().item() <= bin_error(exact, tiny_config()), bias_name
 
 
 @pytest.mark.parametrize("name", [name for name, layout in layouts().items() if layout.batch_parts == 1])
