@@ -33,7 +33,7 @@ EPS = 1e-6
 SHAPE = (2, 5)  # 10 token rows: not a multiple of the 4-row blocks
 # 2-row tiles of 64 channels for d = 40 (24 masked), 10 rows in blocks of 2, three blocks a backward program (the second
 # program's last block past the rows)
-SMALL_TILES = mix_kernel.MixLaunch(rows=2, block_d=64, warps=1, backward_blocks=3)
+SMALL_TILES = mix_kernel.MixLaunch(rows=2, block_d=64, warps=1, backward_blocks=3, stages=3)
 
 
 def mix_inputs(blocks, d, shape=SHAPE, dtype=torch.float32, blocks_dtype=None, seed=0):
