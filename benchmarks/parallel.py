@@ -1,7 +1,7 @@
 """Training throughput and memory per GPU of each multi-GPU layout, against one GPU of the same launch.
 
     torchrun --nproc-per-node N benchmarks/parallel.py OUTDIR [model=anchor|k3_layer|tiny] [layouts=a,b]
-                                                      [tokens=4096] [steps=5] [experts=64]
+                                                      [tokens=4096] [steps=5] [experts=64] [frozen=none|experts]
 
 One training step = forward with labels, backward, AdamW step, on random tokens. Layouts (`LAYOUTS`):
 
@@ -39,7 +39,10 @@ json hold them.
 ``experts`` sets the routed experts of ``k3_layer`` and ``tiny`` (K3 has 896, top-16). At K3's widths a LatentMoE
 expert holds 3 x 3072 x 3584 weights: 66 MB in bf16, about 264 MB with its gradient and two AdamW moments, so an H100
 (80 GB) trains on the order of 200 experts next to the rest of the layer at 4096 tokens and an H200 about twice that.
-The checkpoint is written in the run's dtype (bf16 on GPUs).
+``frozen=experts`` freezes the routed experts' weights (as when adapters are trained around them): they take no
+gradient and no AdamW state, so that K3's 896 experts (59 GB in bf16) can run forward and backward on one GPU. The checkpoint
+is written in the run's dtype (bf16 on GPUs); a run of the ``single`` layout alone writes none and builds the model
+on the device (a 896-expert checkpoint would not fit the disk of a GPU machine lent here).
 """
 
 import importlib.util
@@ -98,8 +101,32 @@ def save_checkpoint(name: str, folder: Path, experts: int, dtype: torch.dtype = 
         torch.set_default_dtype(default)
 
 
-def load(folder: Path, layout: str, world: int, device: torch.device, dtype: torch.dtype):
-    """(model on `device` in training mode laid out as `layout`, the context-parallel group or None)."""
+def build_on_device(name: str, experts: int, device: torch.device, dtype: torch.dtype):
+    """Model `name` built with random weights directly on `device` in `dtype` (no checkpoint)."""
+    from kda_moe import KdaMoeForCausalLM
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            return KdaMoeForCausalLM(model_config(name, experts))
+    finally:
+        torch.set_default_dtype(default)
+
+
+def freeze(model, frozen: str):
+    """``frozen="experts"``: the routed experts' weights take no gradient (nor AdamW state)."""
+    if frozen == "experts":
+        for name, parameter in model.named_parameters():
+            if ".mlp.experts." in name:
+                parameter.requires_grad_(False)
+    return model
+
+
+def load(folder: Path | tuple[str, int], layout: str, world: int, device: torch.device, dtype: torch.dtype):
+    """(model on `device` in training mode laid out as `layout`, the context-parallel group or None); `folder`: the
+    checkpoint, or (model name, experts) to build the model on the device instead (the single layout)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers.distributed import DistributedConfig
@@ -115,7 +142,10 @@ def load(folder: Path, layout: str, world: int, device: torch.device, dtype: tor
             options = dict(ep_size=world, tp_plan={}) if EXPERT_TOKEN_DISPATCH else dict(tp_size=world, enable_expert_parallel=True)
         model = KdaMoeForCausalLM.from_pretrained(folder, dtype=dtype, distributed_config=DistributedConfig(**options))
         return model.train(), None
-    model = KdaMoeForCausalLM.from_pretrained(folder, dtype=dtype).to(device).train()
+    if isinstance(folder, tuple):
+        model = build_on_device(*folder, device, dtype).train()
+    else:
+        model = KdaMoeForCausalLM.from_pretrained(folder, dtype=dtype).to(device).train()
     if layout == "single":  # the other ranks wait: balancing pools over nothing
         model.set_balancing_group(None)
         return model, None
@@ -152,7 +182,7 @@ def training_step(model, layout: str, tokens: int, world: int, cp_group, device)
     if cp_group is not None:
         batch = shard_batch(batch, cp_group)
     batch = {name: value.to(device) if torch.is_tensor(value) else value for name, value in batch.items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW([parameter for parameter in model.parameters() if parameter.requires_grad], lr=1e-5)
 
     # FSDP averages the gradients over all its ranks; a row's slices must add up instead: its loss counts cp times
     loss_scale = dist.get_world_size(cp_group) if layout == "fsdp_x_cp" else 1
@@ -352,7 +382,7 @@ def split_step(model, phases, optimizer, steps: int, device) -> dict:
     return result
 
 
-def run_layout(folder, layout, world, tokens, steps, device, dtype) -> dict:
+def run_layout(folder, layout, world, tokens, steps, device, dtype, frozen) -> dict:
     """{s, tok_s, peak_GB} of `layout`, on every rank; `single` adds `split_step`'s figures and runs on rank 0 while
     the other ranks wait."""
     if device.type == "cuda":
@@ -362,7 +392,7 @@ def run_layout(folder, layout, world, tokens, steps, device, dtype) -> dict:
     result = None
     if together or dist.get_rank() == 0:
         model, cp_group = load(folder, layout, world, device, dtype)
-        phases, optimizer, distinct = training_step(model, layout, tokens, world, cp_group, device)
+        phases, optimizer, distinct = training_step(freeze(model, frozen), layout, tokens, world, cp_group, device)
         if together:
             forward, backward, optimizer_step = phases
 
@@ -427,9 +457,11 @@ def tables(results: dict, world: int) -> str:
     return text
 
 
-def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, experts=64):
+def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, experts=64, frozen="none"):
     if model not in MODELS:
         raise ValueError(f"model={model!r}: pick one of {', '.join(MODELS)}.")
+    if frozen not in ("none", "experts"):
+        raise ValueError(f"frozen={frozen!r}: pick none or experts.")
     layouts = layouts.split(",")
     if unknown := [layout for layout in layouts if layout not in LAYOUTS]:
         raise ValueError(f"unknown layouts {unknown}: pick from {', '.join(LAYOUTS)}.")
@@ -443,19 +475,25 @@ def main(out, model="anchor", layouts=",".join(LAYOUTS), tokens=4096, steps=5, e
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     out = Path(out)
-    folder = out / "checkpoint"
+    # every layout loads one checkpoint; the single layout alone builds the model on the device (the anchor config
+    # is defined as a Kimi Linear checkpoint)
+    folder = (model, experts) if layouts == ["single"] and model != "anchor" else out / "checkpoint"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(model, folder, experts, dtype)
+        if isinstance(folder, Path):
+            save_checkpoint(model, folder, experts, dtype)
     dist.barrier()
     results = {}
     for layout in layouts:
         if rank == 0:
             print(f"{layout}: start", flush=True)
-        results[layout] = run_layout(folder, layout, world, tokens, steps, device, dtype)
+        results[layout] = run_layout(folder, layout, world, tokens, steps, device, dtype, frozen)
         if rank == 0:
-            header = f"{world} ranks, {'GPU: ' + torch.cuda.get_device_name() if cuda else 'CPU (gloo)'}; model {model}"
-            (out / "parallel.json").write_text(json.dumps(dict(world=world, model=model, tokens=tokens, results=results), indent=2))
+            routed = "" if model == "anchor" else f", {experts} routed experts"  # the anchor config fixes its own
+            header = (f"{world} ranks, {'GPU: ' + torch.cuda.get_device_name() if cuda else 'CPU (gloo)'}; model "
+                      f"{model}{routed}{', routed experts frozen' if frozen == 'experts' else ''}")
+            report = dict(world=world, model=model, experts=experts, frozen=frozen, tokens=tokens, results=results)
+            (out / "parallel.json").write_text(json.dumps(report, indent=2))
             (out / "parallel.md").write_text(f"{header}, {tokens} tokens per rank\n\n{tables(results, world)}\n")
     if rank == 0:
         print(tables(results, world), flush=True)

@@ -322,6 +322,35 @@ def split_step_figures_are_consistent(single, markdown):
     assert all(f"| {name} | " in markdown for name in expected)
 
 
+def test_parallel_benchmark_single_layout_with_frozen_experts_builds_on_the_device(tmp_path, monkeypatch):
+    """``layouts=single frozen=experts`` on one gloo rank: the model is built in place (no checkpoint written) and
+    the routed experts' weights take no gradient and no AdamW state, while everything else trains as before."""
+    import socket
+
+    from kda_moe import KdaMoeForCausalLM
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            GLOO_SOCKET_IFNAME="lo").items():
+        monkeypatch.setenv(name, value)
+    parallel = load_benchmark("parallel.py")
+    single = parallel.main(tmp_path, model="tiny", layouts="single", tokens=16, steps=1, experts=8,
+                           frozen="experts")["single"]
+    assert not (tmp_path / "checkpoint").exists()
+    with torch.device("meta"):
+        model = KdaMoeForCausalLM(parallel.model_config("tiny", 8))
+    trained = [p for name, p in model.named_parameters() if ".mlp.experts." not in name]
+    assert len(trained) < len(list(model.parameters()))
+    assert single["param_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    assert single["grad_bytes"] == 4 * sum(p.numel() for p in trained)
+    assert single["optim_bytes"] == 8 * sum(p.numel() for p in trained) + 4 * len(trained)
+    assert "routed experts frozen" in (tmp_path / "parallel.md").read_text()
+    with pytest.raises(ValueError, match="frozen='all'"):
+        parallel.main(tmp_path, model="tiny", frozen="all")
+
+
 def test_parallel_benchmark_refuses_unknown_layouts_and_models(tmp_path):
     parallel = load_benchmark("parallel.py")
     with pytest.raises(ValueError, match="unknown layouts \\['dp'\\]"):
