@@ -55,6 +55,7 @@ from kda_moe.kernels.kda import (
     kda_layer_decode_step_unfused,
     kimi_delta_attention,
     recurrent,
+    steep_chunks,
 )
 from kda_moe.kernels.kda.chunk import chunk_kda_triton
 from kda_moe.kernels.kda.recurrent import kda_decode_step_triton
@@ -156,7 +157,8 @@ def grad_errors(ins, A_log, dt_bias, do, others):
 def kernel_stats():
     """Registers / spills / shared memory of our compiled kernels (the compiler's resource report)."""
     stats = {}
-    for mod, name in [(chunk_fwd, "_chunk_kernel"), (chunk_fwd, "_scan_kernel"), (chunk_bwd, "_scan_bwd_kernel"),
+    for mod, name in [(steep_chunks, "_steep_chunks_kernel"), (chunk_fwd, "_chunk_kernel"), (chunk_fwd, "_scan_kernel"),
+                      (chunk_bwd, "_scan_bwd_kernel"),
                       (chunk_bwd, "_state_grads_kernel"), (chunk_bwd, "_wy_grads_kernel"),
                       (chunk_bwd, "_gate_grads_kernel"),
                       (recurrent, "_decode_kernel"), (fused_decode, "_fused_decode_kernel")]:
