@@ -79,8 +79,8 @@ def compile_all(dtype, forward_fields, backward_fields):
         backward_fields = dict(backward_fields)
         gate_prec = backward_fields.pop("gate_prec", "bf16")
         for lb in (-5.0, None):
-            forward = chunk_fwd.forward_launch(K, K, B * H, dtype, lb)
-            backward = chunk_bwd.backward_launch(K, K, B * H, dtype, lb, gate_prec=gate_prec)
+            forward = chunk_fwd.forward_launch(K, K, B * H, dtype)
+            backward = chunk_bwd.backward_launch(K, K, B * H, dtype, gate_prec=gate_prec)
             recompute = dataclasses.replace(backward.recompute, **forward_fields)
             _, _, scores = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, lb, K ** -0.5, None, False, None,
                                                    keep_scores=True,

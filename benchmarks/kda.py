@@ -240,8 +240,8 @@ def time_pipeline(res, knobs):
     q, k, v, g, beta, A_log, dt_bias = make(B, T, H, K)
     do = torch.randn_like(v)
     call = chunk_fwd.kda_call(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None)
-    launch = {"fwd": chunk_fwd.forward_launch(K, K, call.pairs, v.dtype, LB),
-              "bwd": chunk_bwd.backward_launch(K, K, call.pairs, v.dtype, LB)}
+    launch = {"fwd": chunk_fwd.forward_launch(K, K, call.pairs, v.dtype),
+              "bwd": chunk_bwd.backward_launch(K, K, call.pairs, v.dtype)}
 
     def forward(fwd):
         return chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, LB, K ** -0.5, None, False, None,

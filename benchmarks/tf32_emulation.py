@@ -51,7 +51,7 @@ def our_gradients(ins, A_log, dt_bias, do, gate_prec):
     """Gradients of our kernels (q, k, v, g, beta, A_log, dt_bias) with the gate kernel's products at ``gate_prec``."""
     B, T, H, K = ins[0].shape
     scale = K ** -0.5
-    backward = chunk_bwd.backward_launch(K, K, B * H, ins[0].dtype, bench.LB, gate_prec=gate_prec)
+    backward = chunk_bwd.backward_launch(K, K, B * H, ins[0].dtype, gate_prec=gate_prec)
     _, _, scores = chunk_fwd.chunk_kda_fwd(*ins, A_log, dt_bias, bench.LB, scale, None, False, None, keep_scores=True)
     return chunk_bwd.chunk_kda_bwd(*ins, A_log, dt_bias, bench.LB, scale, None, None, do, None, scores,
                                    launch=backward)[:7]

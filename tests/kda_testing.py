@@ -39,16 +39,16 @@ def with_steep_gates(x, decay):
     return x
 
 
-def launches(x, lb, cu_seqlens=None, *, form=None, gate_prec="bf16", state_fp32=True, **backward_fields):
+def launches(x, cu_seqlens=None, *, form=None, gate_prec="bf16", state_fp32=True, **backward_fields):
     """(forward, backward) launches the kernels pick for ``x``, with the output forward's ``form`` (a FORWARD_FORMS
     key), the gate kernel's products ``gate_prec``, the recompute's ``state_fp32`` and other backward fields set."""
     B, T, H, K = x["q"].shape
     V, dtype = x["v"].shape[-1], x["v"].dtype
     pairs = (B if cu_seqlens is None else len(cu_seqlens) - 1) * H
-    forward = forward_launch(K, V, pairs, dtype, lb)
+    forward = forward_launch(K, V, pairs, dtype)
     if form is not None:
         forward = dataclasses.replace(forward, form_wu=FORWARD_FORMS[form])
-    backward = backward_launch(K, V, pairs, dtype, lb, gate_prec=gate_prec)
+    backward = backward_launch(K, V, pairs, dtype, gate_prec=gate_prec)
     recompute = dataclasses.replace(backward.recompute, state_fp32=state_fp32)
     return forward, dataclasses.replace(backward, recompute=recompute, **backward_fields)
 

@@ -37,7 +37,7 @@ REF = torch.float32  # the reference's dtype: fp32 is 1e-6 accurate here (fp64 i
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunk_kda_full_size_matches_reference(lb, dtype, form):
     x = kda_inputs(2, 2048, 4, 128, 128, dtype, device=dev)
-    o, ht, gr = kda_forward_backward(x, lb, None, True, REF, launch=launches(x, lb, form=form))
+    o, ht, gr = kda_forward_backward(x, lb, None, True, REF, launch=launches(x, form=form))
     ro, rht, rgr = kda_forward_backward(x, lb, None, False, REF)
     to, tg = (5e-3, 1e-2) if dtype == torch.bfloat16 else (3e-3, 5e-3)
     assert torch.isfinite(o).all() and rel(o, ro) < to and rel(ht, rht) < to
@@ -70,7 +70,7 @@ def test_gate_gradients_in_steep_channels_match_fp64(decay, dtype):
 def test_chunk_kda_varlen_bf16_matches_reference(form):
     cu = torch.tensor([0, 1, 300, 300, 1500, 4096], device=dev)
     x = kda_inputs(1, 4096, 4, 128, 128, torch.bfloat16, N=5, device=dev)
-    o, ht, gr = kda_forward_backward(x, -5.0, cu, True, REF, launch=launches(x, -5.0, cu, form=form))
+    o, ht, gr = kda_forward_backward(x, -5.0, cu, True, REF, launch=launches(x, cu, form=form))
     ro, rht, rgr = kda_forward_backward(x, -5.0, cu, False, REF)
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     for n in gr:

@@ -34,9 +34,9 @@ from bf16_emulation import emulate_bf16  # noqa: E402
 from kda_testing import FORWARD_FORMS, kda_forward_backward, kda_inputs, launches, rel, with_steep_gates  # noqa: E402
 
 
-def fp32_launches(x, lb, cu_seqlens=None, **fields):
+def fp32_launches(x, cu_seqlens=None, **fields):
     """The launches the kernels pick for ``x``, with the gate kernel's products at fp32 precision ("tf32x3")."""
-    return launches(x, lb, cu_seqlens, gate_prec="tf32x3", **fields)
+    return launches(x, cu_seqlens, gate_prec="tf32x3", **fields)
 
 
 @pytest.mark.parametrize("form", FORWARD_FORMS)
@@ -49,7 +49,7 @@ def test_chunk_kda_matches_reference_outputs_and_gradients(lb, varlen, form):
     else:
         cu = None
         x = kda_inputs(2, 80, 2, 64, 16, torch.float32)  # K = 64: two 32-wide K slices in every kernel
-    o, ht, grads = kda_forward_backward(x, lb, cu, True, launch=fp32_launches(x, lb, cu, form=form))
+    o, ht, grads = kda_forward_backward(x, lb, cu, True, launch=fp32_launches(x, cu, form=form))
     ro, rht, rgrads = kda_forward_backward(x, lb, cu, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     assert set(grads) == set(rgrads) == set(x)
@@ -67,7 +67,7 @@ def test_the_last_token_of_every_chunk_enters_the_state_undecayed(lb):
     cu = torch.tensor([0, 70, 150])
     x = kda_inputs(1, 150, 2, 32, 16, torch.float32, N=2)
     call = kda_call(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lb, 0.3, cu)
-    bufs, _, _ = recompute_for_backward(call, launches(x, lb, cu)[1].recompute, x["h0"])
+    bufs, _, _ = recompute_for_backward(call, launches(x, cu)[1].recompute, x["h0"])
     kn = x["k"] * bufs.norms[..., :1]  # the kernel's k / ||k||
     last = [63, 69, 70 + 63, 149]  # chunks [0, 64), [64, 70) of the first sequence, [70, 134), [134, 150) of the second
     assert torch.equal(bufs.Kd[0, last], kn[0, last])
@@ -108,7 +108,7 @@ def test_chunk_kda_bf16_matches_reference(varlen, state_fp32, form, monkeypatch)
     emulate_bf16(monkeypatch)
     cu = torch.tensor([0, 1, 1, 100, 130]) if varlen else None
     x = kda_inputs(1 if varlen else 2, 130, 2, 32, 16, torch.bfloat16, N=4 if varlen else None)
-    launch = fp32_launches(x, -5.0, cu, form=form, state_fp32=state_fp32)
+    launch = fp32_launches(x, cu, form=form, state_fp32=state_fp32)
     o, ht, grads = kda_forward_backward(x, -5.0, cu, True, launch=launch)
     ro, rht, rgrads = kda_forward_backward(x, -5.0, cu, False)
     assert o.dtype == torch.bfloat16 and rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
@@ -125,7 +125,7 @@ def test_chunk_kda_bf16_softplus_gate_matches_reference(decay, monkeypatch):
     x = kda_inputs(1, 128, 2, 32, 16, torch.bfloat16)
     if decay is not None:
         x = with_steep_gates(x, decay)
-    o, ht, grads = kda_forward_backward(x, None, None, True, launch=fp32_launches(x, None))
+    o, ht, grads = kda_forward_backward(x, None, None, True, launch=fp32_launches(x))
     ro, rht, rgrads = kda_forward_backward(x, None, None, False)
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     for n in grads:
@@ -164,7 +164,7 @@ def test_tf32_gate_products(lb):
     the gate's too, since every pair term enters its row and column sides identically rounded (measured here: at most
     6e-4, A_log with the bounded gate)."""
     x = kda_inputs(1, 80, 2, 32, 16, torch.float32)
-    assert launches(x, lb)[1].gate_prec == "bf16"  # "bf16": bf16 operands for bf16 inputs, tf32 for fp32 ones
+    assert launches(x)[1].gate_prec == "bf16"  # "bf16": bf16 operands for bf16 inputs, tf32 for fp32 ones
     grads = kda_forward_backward(x, lb, None, True)[2]
     rgrads = kda_forward_backward(x, lb, None, False)[2]
     for n in grads:
@@ -174,16 +174,16 @@ def test_tf32_gate_products(lb):
 def test_unknown_gate_precision_is_refused():
     x = kda_inputs(1, 16, 1, 16, 16, torch.float32)
     with pytest.raises(ValueError, match=r"gate_prec must be one of \('bf16', 'tf32', 'tf32x3'\), got 'tf32x2'"):
-        launches(x, -5.0, gate_prec="tf32x2")
+        launches(x, gate_prec="tf32x2")
     with pytest.raises(ValueError, match=r"gate_prec must be one of"):
-        dataclasses.replace(launches(x, -5.0)[1], gate_prec="fp8")
+        dataclasses.replace(launches(x)[1], gate_prec="fp8")
 
 
 def test_unpipelined_narrow_bf16_scans_are_refused():
     """A launch whose bf16 scan takes V tiles narrower than 64 in one stage (which Triton 3.6 miscompiles for the
     H200) raises before compiling it."""
     x = kda_inputs(1, 64, 1, 16, 32, torch.bfloat16)
-    forward = dataclasses.replace(launches(x, -5.0)[0], scan_bv=16, scan_stages=1)
+    forward = dataclasses.replace(launches(x)[0], scan_bv=16, scan_stages=1)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
     with pytest.raises(ValueError, match="bf16 scan on 16-wide V tiles needs at least 2 pipeline stages"):
         chunk_kda_fwd(*args, -5.0, 0.25, None, False, None, launch=forward)
@@ -266,7 +266,7 @@ def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_pat
     x = _mixed_steepness_inputs(lb)
     paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, gate_bk)}  # the forward's K slices, the gate kernel's
     assert all(min(counts) > 0 for counts in paths.values()), paths
-    o, ht, grads = kda_forward_backward(x, lb, None, True, launch=fp32_launches(x, lb, gate_bk=gate_bk))
+    o, ht, grads = kda_forward_backward(x, lb, None, True, launch=fp32_launches(x, gate_bk=gate_bk))
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     for n in grads:
@@ -292,7 +292,7 @@ def test_gate_gradients_in_steep_channels(decay, path):
     x = with_steep_gates(kda_inputs(1, 128, 2, 32, 16, torch.float32), decay)
     paths = _diagonal_paths(x, None)  # (row tiles, quarter tiles, columns)
     assert paths[path] == sum(paths), paths
-    o, ht, grads = kda_forward_backward(x, None, None, True, launch=fp32_launches(x, None))
+    o, ht, grads = kda_forward_backward(x, None, None, True, launch=fp32_launches(x))
     ro, rht, rgrads = kda_forward_backward(x, None, None, False)
     assert rel(o, ro) < 1e-5
     for n in grads:

@@ -74,17 +74,17 @@ def gate_operands(gate_prec: str, dtype: torch.dtype):
     return (mm_dtype(dtype), "tf32") if gate_prec == "bf16" else (tl.float32, gate_prec)
 
 
-def backward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, gate_lower_bound: float | None, *,
-                    loads_scores: bool = True, gate_prec: str = "bf16") -> BackwardLaunch:
-    """The launch of a backward over ``pairs`` (sequence, head) pairs with head dims K, V, inputs of ``dtype`` and the
-    gate of ``gate_lower_bound``; ``loads_scores``: its recompute loads the forward's kept T, A_qk and norms. The values
+def backward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, *, loads_scores: bool = True,
+                    gate_prec: str = "bf16") -> BackwardLaunch:
+    """The launch of a backward over ``pairs`` (sequence, head) pairs with head dims K, V and inputs of ``dtype``;
+    ``loads_scores``: its recompute loads the forward's kept T, A_qk and norms. The values
     ran fastest on an H200 (bf16, B x T x H = 16 x 4096 x 16, K = V = 128, unless a comment names other shapes).
     ``gate_prec`` "bf16" keeps the gate-side gradient errors on a par with fla 0.6.0's; "tf32" and "tf32x3" cut them by
     about a quarter for 1.2x and 1.7x the forward + backward time on the H200."""
     scan_bv, scan_stages = scan_tile(V, pairs, storage_dtype(dtype), 3, stores_states=True)
     fp32_operands = gate_operands(gate_prec, dtype)[0] == tl.float32
     return BackwardLaunch(
-        recompute=forward_launch(K, V, pairs, dtype, gate_lower_bound, for_backward=True, loads_scores=loads_scores),
+        recompute=forward_launch(K, V, pairs, dtype, for_backward=True, loads_scores=loads_scores),
         scan_warps=4,
         scan_bv=scan_bv,
         scan_stages=scan_stages,  # 3 where the tile allows it (also fastest at 4 x 16384 x 16)
@@ -470,7 +470,7 @@ def chunk_kda_bwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
 
     dq/dk/dg/dbeta/dv come back in the inputs' dtypes, dA_log/ddt_bias fp32, dh0 fp32 (or None)."""
     call = kda_call(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens)
-    launch = launch or backward_launch(q.shape[-1], v.shape[-1], call.pairs, v.dtype, gate_lower_bound,
+    launch = launch or backward_launch(q.shape[-1], v.shape[-1], call.pairs, v.dtype,
                                        loads_scores=scores is not None)
     bufs, h, delta = recompute_for_backward(call, launch.recompute, initial_state, scores)
     do = do.contiguous()

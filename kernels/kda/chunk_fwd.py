@@ -55,12 +55,13 @@ class ForwardLaunch:
     state_fp32: bool  # the backward's recompute stores the per-chunk states in fp32, else in the storage dtype
 
 
-def forward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, gate_lower_bound: float | None, *,
-                   for_backward: bool = False, loads_scores: bool = False) -> ForwardLaunch:
-    """The launch of a forward over ``pairs`` (sequence, head) pairs with head dims K, V, inputs of ``dtype`` and the
-    gate of ``gate_lower_bound``; ``for_backward``: the backward's recompute, which stores the per-chunk states and
-    reads W and U, and ``loads_scores``: one that loads the forward's kept T, A_qk and norms. The values ran fastest
-    on an H200 (bf16, B x T x H = 16 x 4096 x 16, K = V = 128, unless a comment names other shapes)."""
+def forward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, *, for_backward: bool = False,
+                   loads_scores: bool = False) -> ForwardLaunch:
+    """The launch of a forward over ``pairs`` (sequence, head) pairs with head dims K, V and inputs of ``dtype`` (the
+    gate picks between its two stage counts per launch, ``launch_chunk_kernel``); ``for_backward``: the backward's
+    recompute, which stores the per-chunk states and reads W and U, and ``loads_scores``: one that loads the forward's
+    kept T, A_qk and norms. The values ran fastest on an H200 (bf16, B x T x H = 16 x 4096 x 16, K = V = 128, unless a
+    comment names other shapes)."""
     scan_bv, scan_stages = scan_tile(V, pairs, storage_dtype(dtype), 1, stores_states=for_backward)
     return ForwardLaunch(
         chunk_warps=4,  # 4 (8 are slower, also at a 128-register cap)
@@ -465,7 +466,7 @@ def chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, ini
     are the chunk matrices and the rows' inverse norms ``(A_qk, T, norms)`` ([B, T, H, 64] in the storage dtype,
     [B, T, H, 2] fp32) for the backward, else None. ``launch``: ``forward_launch``'s for this call unless given."""
     call = kda_call(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens)
-    launch = launch or forward_launch(q.shape[-1], v.shape[-1], call.pairs, v.dtype, gate_lower_bound)
+    launch = launch or forward_launch(q.shape[-1], v.shape[-1], call.pairs, v.dtype)
     bufs = launch_chunk_kernel(call, launch, store_scores=keep_scores)
     o, ht = launch_output_scan(call, bufs, launch, initial_state, output_final_state)
     return o, ht, ((bufs.Aqk, bufs.T, bufs.norms) if keep_scores else None)
