@@ -254,6 +254,20 @@ def test_steep_chunk_flags_mark_the_chunks_that_run_with_the_fallbacks(lb, cu_se
     assert torch.equal(flags[:len(expected)], expected) and not flags[len(expected):].any()
 
 
+def test_a_backward_finds_the_steep_chunks_once(monkeypatch):
+    """A backward without the forward's kept scores recomputes them with the chunk kernel, then runs the gate-gradient
+    kernel: both split the chunks by the flags of one pre-pass."""
+    from kda_moe.kernels.kda import chunk_bwd, chunk_fwd
+
+    x = _mixed_steepness_inputs(None)
+    passes = []
+    flags = chunk_fwd.steep_chunk_flags
+    monkeypatch.setattr(chunk_fwd, "steep_chunk_flags", lambda call: passes.append(call) or flags(call))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    chunk_bwd.chunk_kda_bwd(*args, None, 0.125, None, None, torch.randn_like(x["v"]), None)
+    assert len(passes) == 1
+
+
 @pytest.mark.parametrize("gate_bk", [32, 16])
 @pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
 def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, gate_bk, monkeypatch):

@@ -28,6 +28,7 @@ backward's first stage.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -35,7 +36,7 @@ from ..backend import tl, triton
 from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_scores,
                           fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
                           scan_start, tile_ends, tile_references, unit_lower_inverse)
-from .steep_chunks import EVERY_CHUNK, chunk_launches, takes_chunk
+from .steep_chunks import EVERY_CHUNK, chunk_launches, steep_chunk_flags, takes_chunk
 
 
 @dataclass(frozen=True)
@@ -365,6 +366,12 @@ class KdaCall:
     def lb(self) -> float:
         """The gate bound as the kernels take it (0.0, unused, for the softplus gate)."""
         return 0.0 if self.gate_lower_bound is None else float(self.gate_lower_bound)
+
+    @cached_property
+    def steep(self) -> torch.Tensor:
+        """[NS, H] int8: the chunks with a tile that one reference cannot factor (``steep_chunk_flags``), found once
+        per call, so that a backward's recompute and its gate-gradient kernel share them."""
+        return steep_chunk_flags(self)
 
 
 def kda_call(q, k, v, g, beta, A_log, dt_bias, gate_lower_bound, scale, cu_seqlens) -> KdaCall:

@@ -62,10 +62,10 @@ def steep_chunk_flags(call) -> torch.Tensor:
 
 
 def chunk_launches(call) -> list[tuple[int, bool, torch.Tensor | None]]:
-    """The launches of a kernel with a scores pass over ``call``'s chunks: ``(CHUNKS, FAST_DIAG, steep flags)`` each.
+    """The launches of a kernel with a scores pass over ``call``'s chunks: ``(CHUNKS, FAST_DIAG, steep flags)`` each
+    (the flags: ``call.steep``, computed once per call).
     One GEMM-only launch under a gate bounded within the safe range; else the mild chunks GEMM-only and the steep
     ones with the fallbacks."""
     if fast_diag(call.gate_lower_bound):
         return [(EVERY_CHUNK.value, True, None)]
-    steep = steep_chunk_flags(call)
-    return [(GEMM_CHUNKS.value, True, steep), (STEEP_CHUNKS.value, False, steep)]
+    return [(GEMM_CHUNKS.value, True, call.steep), (STEEP_CHUNKS.value, False, call.steep)]
