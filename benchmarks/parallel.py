@@ -86,19 +86,12 @@ def model_config(name: str, experts: int):
 def save_checkpoint(name: str, folder: Path, experts: int, dtype: torch.dtype = torch.float32) -> None:
     """A random checkpoint of model `name` in `folder` (rank 0 writes it, every layout loads it); ours built and
     written in `dtype`, so that host memory and disk hold a many-expert layer once at the run's width."""
-    from kda_moe import KdaMoeForCausalLM
-
-    torch.manual_seed(0)
     if name == "anchor":  # a Kimi Linear checkpoint, as benchmarks/model.py times it
+        torch.manual_seed(0)
         model_bench = load_model_benchmark()
         model_bench.kimi_linear_class()(model_bench.anchor_config()).save_pretrained(folder)
         return
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        KdaMoeForCausalLM(model_config(name, experts)).save_pretrained(folder)
-    finally:
-        torch.set_default_dtype(default)
+    build_on_device(name, experts, torch.device("cpu"), dtype).save_pretrained(folder)
 
 
 def build_on_device(name: str, experts: int, device: torch.device, dtype: torch.dtype):
