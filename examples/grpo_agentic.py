@@ -270,7 +270,7 @@ def build_model(config: RecipeConfig, tokenizer):
         ) if config.scale_down else {}  # fmt: skip
         model = KdaMoeForCausalLM(KdaMoeTextConfig(vocab_size=len(tokenizer), **ids, **sizes, **balancing))
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return model
+    return model.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def demonstration_messages(row: dict, environment: ToolEnvironment) -> list[dict]:
@@ -318,7 +318,10 @@ def cold_start(model, tokenizer, rows: list[dict], steps: int, learning_rate: fl
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
             labels[i, : len(ids)] = ids.masked_fill(~mask, -100)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        device = model.device
+        loss = model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), labels=labels.to(device)
+        ).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
