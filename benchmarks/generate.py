@@ -2,8 +2,11 @@
 8, 32 and 128 with 2K- and 32K-token prompts, for
 
 - ``dynamic``: our KdaMoeForCausalLM with its default cache (``KdaMoeCache``);
-- ``static``: ours with ``cache_implementation="static"``, whose decode step transformers compiles on its own
-  (``generation_config.compile_config``: fullgraph, CUDA graphs);
+- ``static``: ours with ``cache_implementation="static"`` through transformers' decoding loop, one step at a time
+  (``decode_steps_per_graph=None``), the step compiled by transformers (``generation_config.compile_config``:
+  fullgraph, CUDA graphs);
+- ``graphed``: the same, decoding in blocks of ``decode_steps_per_graph`` (16) steps, each block one CUDA-graph
+  replay (generate()'s default for greedy decoding on a static cache);
 - ``theirs``: transformers' KimiLinearForCausalLM with fla's kernels, on the same checkpoint;
 
 beside the bandwidth floor: the bytes one step must read (active weights, KDA states read and written, the MLA latent
@@ -15,7 +18,7 @@ filling the dynamic cache with the prompt alone through ``prefill_in_chunks``, o
 chunk as it ends (tokens done, seconds, peak memory so far), so a run stopped by a time limit shows how far it got,
 and reports the prefill's time, tokens/s and peak memory in a table of its own.
 
-    python benchmarks/generate.py OUTDIR [cases=dynamic,static,theirs,prefill] [batches=1,8,32,128]
+    python benchmarks/generate.py OUTDIR [cases=dynamic,static,graphed,theirs,prefill] [batches=1,8,32,128]
                                          [prompts=2048,32768] [new_tokens=64] [prefill_chunk=N]
                                          (kda_moe importable; fla 0.6.0 for theirs)
 
@@ -23,7 +26,8 @@ The models are benchmarks/model.py's: its anchor config (822M parameters, 6 KDA 
 bf16), saved by transformers and loaded by ours. A step's time is the median interval between consecutive generated
 tokens (a stopping criterion that never stops reads the clock after each token, once the device is done), so the
 prefill and generate()'s setup are not in it; each case runs its generate() twice and times the second, so neither
-is compilation or autotuning. Prompts longer than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks
+is compilation or autotuning. The graphed case has no per-token host call to read a clock in: its step is
+(generate() of ``new_tokens`` tokens - generate() of one) / (``new_tokens`` - 1), each timed the same way. Prompts longer than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks
 (generate()'s ``prefill_chunk_size``, see ``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of
 N tokens) on every side: unchunked they would not fit at batch 128 x 32K. The static and transformers' sides take
 shorter chunks, as their MLA layers attend a chunk through a dense mask over the cache. Writes OUTDIR/generate.md and
@@ -60,7 +64,7 @@ def load_model_benchmark():
 
 model_bench = load_model_benchmark()
 
-GENERATE_CASES = ("dynamic", "static", "theirs")  # the generate() cases, run by default
+GENERATE_CASES = ("dynamic", "static", "graphed", "theirs")  # the generate() cases, run by default
 CASES = (*GENERATE_CASES, "prefill")
 BATCHES = (1, 8, 32, 128)
 PROMPTS = (2048, 32768)
@@ -71,12 +75,14 @@ MASK_ENTRIES = 2**32  # most entries of a chunk's dense MLA mask [batch, chunk, 
 # The cases whose MLA layers attend a prefill chunk through a dense mask over the cache: the static cache's, and
 # transformers' Kimi Linear. Ours on the dynamic cache attend an unpadded chunk (these random prompts hold no pad
 # token) through a lower-right causal bias, which SDPA takes without a mask tensor.
-DENSE_MASK_CASES = ("static", "theirs")
+DENSE_MASK_CASES = ("static", "graphed", "theirs")
 GENERATE_OPTIONS = {
     "dynamic": {},
     "static": {"cache_implementation": "static"},
+    "graphed": {"cache_implementation": "static"},
     "theirs": {},
 }
+STEPS_PER_GRAPH = {"static": None, "graphed": 16}  # generation_config.decode_steps_per_graph of our static cases
 
 
 class StepClock(StoppingCriteria):
@@ -173,32 +179,53 @@ def prefill_chunk_size(batch, prompt, case):
     return max(chunk, 1)
 
 
-def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
-    """Two identical generate() calls of ``new_tokens`` tokens, their prompt prefilled in chunks of ``prefill_chunk``
-    tokens (default: ``prefill_chunk_size``), the second timed, so that neither side's one-time kernel compilation and
-    autotuning for the row's shapes lands in the figures: (timings and peak memory, the generated tokens
-    [B, new_tokens])."""
-    batch, prompt = input_ids.shape
-    chunk = prefill_chunk or prefill_chunk_size(batch, prompt, case)
-    if case == "static":  # `compiled` below tells whether the first generate() compiled (transformers keeps the call)
-        model.__dict__.pop("_compiled_call", None)
-    for timed_call in (False, True):
+def timed_generate(model, case, input_ids, new_tokens, chunk, clock: StepClock | None = None):
+    """Two identical generate() calls of ``new_tokens`` greedy tokens, the second timed (so that neither side's
+    one-time kernel compilation and autotuning for the row's shapes lands in the figures): (its start and end on
+    `time.perf_counter`'s clock, peak GB, the output). A `clock` reads the time after every token of the timed
+    call."""
+    if case in STEPS_PER_GRAPH:
+        model.generation_config.decode_steps_per_graph = STEPS_PER_GRAPH[case]
+    # without a clock, nothing may stop early: no end-of-sequence token; with it, min_new_tokens does that
+    length = dict(eos_token_id=None) if clock is None else dict(min_new_tokens=new_tokens)
+    for _ in range(2):
+        if clock is not None:
+            clock.times.clear()
         if model_bench.dev == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        clock = StepClock()
+        model_bench.sync()
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                prefill_chunk_size=chunk, stopping_criteria=StoppingCriteriaList([clock]), **GENERATE_OPTIONS[case],
+                input_ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk,
+                stopping_criteria=StoppingCriteriaList([clock] if clock else []), **length, **GENERATE_OPTIONS[case],
             )
-    seconds = time.perf_counter() - start
-    step = clock.step_seconds()
-    result = dict(ms_per_step=step * 1e3, tok_s=batch / step, prefill_s=clock.times[0] - start, generate_s=seconds,
-                  peak_GB=model_bench.peak_gb(), prefill_chunk_size=chunk)
-    if case == "static":
-        result["compiled"] = getattr(model, "_compiled_call", None) is not None
+        model_bench.sync()
+    return start, time.perf_counter(), model_bench.peak_gb(), out
+
+
+def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
+    """One generate() case on a prompt prefilled in chunks of ``prefill_chunk`` tokens (default:
+    ``prefill_chunk_size``): (timings and peak memory, the generated tokens [B, new_tokens])."""
+    batch, prompt = input_ids.shape
+    chunk = prefill_chunk or prefill_chunk_size(batch, prompt, case)
+    # `compiled` below tells whether generate() compiled (transformers keeps its call, the graphed loop its own)
+    compiled_call = {"static": "_compiled_call", "graphed": "_uncaptured_compiled_call"}.get(case)
+    model.__dict__.pop(compiled_call, None)
+    if case == "graphed":
+        start, end, _, _ = timed_generate(model, case, input_ids, 1, chunk)
+        prefill_s = end - start
+        start, end, peak, out = timed_generate(model, case, input_ids, new_tokens, chunk)
+        step = (end - start - prefill_s) / (new_tokens - 1)
+    else:
+        clock = StepClock()
+        start, end, peak, out = timed_generate(model, case, input_ids, new_tokens, chunk, clock)
+        step, prefill_s = clock.step_seconds(), clock.times[0] - start
+    result = dict(ms_per_step=step * 1e3, tok_s=batch / step, prefill_s=prefill_s, generate_s=end - start,
+                  peak_GB=peak, prefill_chunk_size=chunk)
+    if compiled_call:
+        result["compiled"] = getattr(model, compiled_call, None) is not None
     return result, out[:, prompt:]
 
 
@@ -253,17 +280,21 @@ def write_tables(res, out):
     """OUTDIR/generate.md and generate.json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}, fla {res['fla']}; "
           f"{res['params'] / 1e6:.0f}M parameters, {res['dtype']}; {res['new_tokens']} greedy tokens per generate(); "
-          f"copy bandwidth {res['copy_GBps']:.0f} GB/s. A step: the median interval between generated tokens."]
+          f"copy bandwidth {res['copy_GBps']:.0f} GB/s. A step: the median interval between generated tokens (graphed: "
+          "the decode's time over its steps)."]
     generated = [row for row in res["rows"] if row.keys() & set(GENERATE_CASES)]
     if generated:
-        md += ["", "| batch x prompt | ours (dynamic cache) | ours (static, compiled) | transformers + fla | "
-               "bandwidth floor | static / theirs | dynamic / theirs | peak GB: dynamic / static / theirs | greedy "
-               "tokens = theirs: dynamic; static |", "|---|---|---|---|---|---|---|---|---|"]
+        md += ["", "| batch x prompt | ours (dynamic cache) | ours (static, compiled, step by step) | ours (static, "
+               "graphed blocks) | transformers + fla | bandwidth floor | graphed / theirs | static / theirs | dynamic "
+               "/ theirs | graphed / floor | peak GB: dynamic / static / graphed / theirs | greedy tokens = theirs: "
+               "dynamic; static; graphed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in generated:
         peaks = " / ".join(gigabytes(row.get(c, {}).get("peak_GB")) for c in GENERATE_CASES)
+        same = "; ".join(matches(row.get(c)) for c in ("dynamic", "static", "graphed"))
         md.append(f"| {row['batch']} x {row['prompt']} | {cell(row.get('dynamic'))} | {cell(row.get('static'))} | "
-                  f"{cell(row.get('theirs'))} | {cell(row['floor'])} | {ratio(row, 'static')} | "
-                  f"{ratio(row, 'dynamic')} | {peaks} | {matches(row.get('dynamic'))}; {matches(row.get('static'))} |")
+                  f"{cell(row.get('graphed'))} | {cell(row.get('theirs'))} | {cell(row['floor'])} | "
+                  f"{ratio(row, 'graphed')} | {ratio(row, 'static')} | {ratio(row, 'dynamic')} | "
+                  f"{ratio(row, 'graphed', 'floor')} | {peaks} | {same} |")
     prefills = [(row, row["prefill"]) for row in res["rows"] if "prefill" in row]
     if prefills:
         md += ["", "Prefill alone (ours, dynamic cache, `prefill_in_chunks`, timed once):", "",
@@ -290,14 +321,14 @@ def main(out, cases=GENERATE_CASES, batches=BATCHES, prompts=PROMPTS, new_tokens
     with tempfile.TemporaryDirectory() as folder:
         theirs, ours = model_bench.build_models(config, folder)
     ours, theirs = ours.to(DTYPE), theirs.to(DTYPE)
-    models = {"dynamic": ours, "static": ours, "theirs": theirs, "prefill": ours}
+    models = {"dynamic": ours, "static": ours, "graphed": ours, "theirs": theirs, "prefill": ours}
     res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
                transformers=transformers.__version__, fla=fla_version(),
                params=sum(p.numel() for p in ours.parameters()), dtype=str(DTYPE).removeprefix("torch."),
                new_tokens=new_tokens, copy_GBps=copy_bandwidth(), rows=[])
     model_bench.log(f"copy bandwidth {res['copy_GBps']:.0f} GB/s")
     # theirs first: ours compare to it
-    order = [case for case in ("theirs", "dynamic", "static", "prefill") if case in cases]
+    order = [case for case in ("theirs", "dynamic", "static", "graphed", "prefill") if case in cases]
     # Every row is a new shape (batch, cache length) for the compiled decode step of the static case: allow more
     # recompilations than torch's default 8, after which it would run eagerly.
     with torch._dynamo.config.patch(recompile_limit=64):
@@ -315,9 +346,9 @@ def main(out, cases=GENERATE_CASES, batches=BATCHES, prompts=PROMPTS, new_tokens
                         row[case] = run_prefill(models[case], input_ids, prefill_chunk)
                     else:
                         row[case], tokens[case] = run_case(models[case], case, input_ids, new_tokens, prefill_chunk)
-                    if case in ("dynamic", "static") and "theirs" in tokens:
+                    if case in ("dynamic", "static", "graphed") and "theirs" in tokens:
                         row[case]["same_as_theirs"] = agreement(tokens[case], tokens["theirs"])
-                    if case == "static" and "dynamic" in tokens:
+                    if case in ("static", "graphed") and "dynamic" in tokens:
                         row[case]["same_as_dynamic"] = agreement(tokens[case], tokens["dynamic"])
                 except Exception:  # noqa: BLE001
                     row[case] = dict(error=traceback.format_exc(limit=3)[-600:])

@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.generation import CompileConfig, GenerationMixin, GenerationMode
+from transformers.generation import CompileConfig, EosTokenCriteria, GenerationMixin, GenerationMode, MaxLengthCriteria
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import batched_mm_experts_forward
 from transformers.loss.loss_utils import LOSS_MAPPING
@@ -69,6 +69,7 @@ from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
 from .conversion import checkpoint_layout, layout_config_dict, layout_conversions
+from .graphed_decoding import STEPS_PER_GRAPH, greedy_decoding, uncaptured_compile_call
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2044,6 +2045,54 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
                 self.config, shape_only, mask, **{CACHE_NAME: cache}, position_ids=model_inputs.get("position_ids")
             )
         return model_inputs
+
+    def _sample(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None,
+        **model_kwargs,
+    ):  # fmt: skip
+        """transformers' decoding loop, except for greedy decoding on a static cache that generate() compiles: that
+        runs in blocks of `generation_config.decode_steps_per_graph` steps (default 16; None: transformers' loop),
+        each block one CUDA-graph replay on a GPU (`graphed_decoding.py`): the same tokens, without the host work
+        transformers' loop does around every step."""
+        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", STEPS_PER_GRAPH)
+        if steps_per_graph is not None and (
+            isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int) or steps_per_graph < 1
+        ):
+            raise ValueError(
+                f"generation_config.decode_steps_per_graph must be a positive number of decode steps (or None for "
+                f"transformers' step-by-step loop), got {steps_per_graph!r}."
+            )
+        implementation = self.config._attn_implementation
+        has_mla = "full_attention" in self.config.layer_types
+        cache = model_kwargs.get(CACHE_NAME)
+        graphed = (
+            steps_per_graph is not None
+            and not generation_config.do_sample
+            and not generation_config.return_dict_in_generate
+            and not generation_config.is_assistant
+            and streamer is None
+            and not synced_gpus
+            and len(logits_processor) == 0
+            and all(isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)) for criterion in stopping_criteria)
+            and stopping_criteria.max_length is not None
+            and model_kwargs.get("inputs_embeds") is None
+            and isinstance(cache, KdaMoeStaticCache)
+            and not getattr(cache, "_is_user_defined", False)
+            and (not has_mla or implementation in STATIC_MASKS)
+            and len(set(getattr(self, "hf_device_map", {}).values())) <= 1
+            and self._valid_auto_compile_criteria(model_kwargs, generation_config)
+        )
+        if not graphed:
+            return super()._sample(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+                streamer=streamer, **model_kwargs,
+            )  # fmt: skip
+        forward = uncaptured_compile_call(self, generation_config.compile_config or self._default_compile_config())
+        mla_mask = None if not has_mla else "additive" if implementation == "eager" else "bool"
+        return greedy_decoding(
+            self, input_ids, stopping_criteria, generation_config, model_kwargs, mla_mask, forward,
+            capture=self.device.type == "cuda",
+        )  # fmt: skip
 
     @can_return_tuple
     @accepts_legacy_cache_name

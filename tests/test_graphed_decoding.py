@@ -1,0 +1,117 @@
+"""Greedy decoding on a compiled static cache in blocks of steps (`modeling/graphed_decoding.py`): the tokens of
+transformers' step-by-step loop, whatever the block size, the padding and where rows finish.
+
+On a CPU the blocks run step by step through the compiled forward (aot_eager: the graph dynamo captures, op by op);
+on a GPU each block is one CUDA-graph replay, checked against transformers' own compiled loop.
+"""
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_decoding import randomize_balancing_and_depth_mixing
+from test_static_cache import LAYOUTS, compile_config, prompts
+from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+
+import kda_moe.modeling.modeling_kda_moe as modeling
+
+GREEDY = dict(max_new_tokens=11, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def model(request):
+    model = randomize_balancing_and_depth_mixing(tiny_model(seed=0, **LAYOUTS[request.param]))
+    model.generation_config.decode_steps_per_graph = 4  # 11 tokens: the prefill's, two blocks of 4, then 2 more
+    return model
+
+
+def graphed_generate(model, input_ids, attention_mask, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            cache_implementation="static",
+            compile_config=compile_config("aot_eager"),
+            **{**GREEDY, **kwargs},
+        )
+
+
+def count_graphed_calls(monkeypatch) -> list:
+    calls = []
+    decode = modeling.greedy_decoding
+    monkeypatch.setattr(modeling, "greedy_decoding", lambda *args, **kwargs: calls.append(1) or decode(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("ends", ["none", "one_row", "every_row"])
+def test_graphed_greedy_gives_the_step_by_step_tokens(model, ends, monkeypatch):
+    """Left-padded batch of 2: no end token (11 tokens), an end token that one row produces (the other row goes
+    on, the finished one gets pad tokens), end tokens that finish both rows early (the output stops where the later
+    row finished, as transformers' loop does)."""
+    input_ids, attention_mask = prompts(2)
+    with torch.no_grad():
+        free = model.generate(input_ids, attention_mask=attention_mask, eos_token_id=None, **GREEDY)
+    new = free[:, input_ids.shape[1] :]
+    # one_row: a token row 0 makes after a few steps, and row 1 never
+    only_row_0 = next(int(t) for i, t in enumerate(new[0]) if i >= 2 and t not in new[1] and t not in new[0, :i])
+    eos_token_id = {"none": None, "one_row": only_row_0, "every_row": [int(new[0, 2]), int(new[1, 6])]}[ends]
+    with torch.no_grad():
+        expected = model.generate(input_ids, attention_mask=attention_mask, eos_token_id=eos_token_id, **GREEDY)
+    calls = count_graphed_calls(monkeypatch)
+    tokens = graphed_generate(model, input_ids, attention_mask, eos_token_id=eos_token_id)
+    assert calls == [1]
+    assert torch.equal(tokens, expected)
+    if ends == "every_row":
+        assert tokens.shape[1] < free.shape[1]
+
+
+def test_batch_of_one_graphed_greedy_gives_the_step_by_step_tokens(model):
+    input_ids, attention_mask = prompts(1)
+    with torch.no_grad():
+        expected = model.generate(input_ids, attention_mask=attention_mask, eos_token_id=None, **GREEDY)
+    assert torch.equal(graphed_generate(model, input_ids, attention_mask, eos_token_id=None), expected)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(do_sample=True, top_k=5),
+        dict(logits_processor=LogitsProcessorList([MinLengthLogitsProcessor(9, eos_token_id=3)])),
+        dict(return_dict_in_generate=True),
+        dict(decode_steps_per_graph=None),
+    ],
+    ids=["sampling", "logits_processor", "return_dict", "turned_off"],
+)
+def test_other_decoding_keeps_transformers_loop(model, options, monkeypatch):
+    """Sampling, logits processors and a returned cache (which would hold the steps run past the end) go through
+    transformers' loop, as does `decode_steps_per_graph=None`."""
+    input_ids, attention_mask = prompts(2)
+    options = dict(options)  # the parameter is shared by both models
+    monkeypatch.setattr(model.generation_config, "decode_steps_per_graph", options.pop("decode_steps_per_graph", 4))
+    calls = count_graphed_calls(monkeypatch)
+    graphed_generate(model, input_ids, attention_mask, eos_token_id=None, **options)
+    assert calls == []
+
+
+@pytest.mark.parametrize("steps", [0, True, "4"])
+def test_decode_steps_per_graph_must_be_a_positive_count(model, steps, monkeypatch):
+    monkeypatch.setattr(model.generation_config, "decode_steps_per_graph", steps)
+    with pytest.raises(ValueError, match="decode_steps_per_graph must be a positive number"):
+        graphed_generate(model, *prompts(1), eos_token_id=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_blocks_replayed_as_cuda_graphs_give_transformers_compiled_tokens(batch_size):
+    """On a GPU (Triton kernels, fp32): blocks of 4 steps as CUDA graphs against transformers' compiled loop
+    (inductor, its own CUDA graphs, one step at a time) on the same model, with an end token one row produces."""
+    model = randomize_balancing_and_depth_mixing(tiny_model(seed=0, kernel_backend="triton")).cuda()
+    input_ids, attention_mask = (tensor.cuda() for tensor in prompts(batch_size))
+    settings = dict(attention_mask=attention_mask, cache_implementation="static", **GREEDY)
+    with torch.no_grad():
+        model.generation_config.decode_steps_per_graph = None
+        free = model.generate(input_ids, eos_token_id=None, **settings)
+        eos_token_id = int(free[0, input_ids.shape[1] + 5])
+        expected = model.generate(input_ids, eos_token_id=eos_token_id, **settings)
+        model.generation_config.decode_steps_per_graph = 4
+        tokens = model.generate(input_ids, eos_token_id=eos_token_id, **settings)
+    assert torch.equal(tokens, expected)
