@@ -21,6 +21,9 @@ from transformers.generation import CompileConfig
 from ..compat import CACHE_NAME
 
 STEPS_PER_GRAPH = 16  # the default of `generation_config.decode_steps_per_graph`
+# steps run before the capture: the first compiles the step, the second shows that it needs no recompilation (a
+# compilation inside the capture would fail)
+WARM_UP_STEPS = 2
 
 
 @dataclass
@@ -110,20 +113,20 @@ def uncaptured_compile_call(model, compile_config: CompileConfig):
 
 def run_blocks(step, state: DecodeState, max_new_tokens: int, steps_per_graph: int, capture: bool) -> torch.Tensor:
     """Run `step()` (one decode step, returns the tokens [B]) until every row has finished or `max_new_tokens`
-    tokens were made; on CUDA (`capture`) the first step runs plain (compilation, autotuning), then
-    `steps_per_graph` steps are captured as one CUDA graph and replayed. Returns the tokens [B, steps run]."""
+    tokens were made; on CUDA (`capture`) the first `WARM_UP_STEPS` steps run plain (compilation, autotuning),
+    then `steps_per_graph` steps are captured as one CUDA graph and replayed. Returns the tokens [B, steps run]."""
     blocks, made = [], 0
 
     def finished() -> bool:
         return made >= max_new_tokens or not bool(state.unfinished.any())
 
-    if capture and max_new_tokens > steps_per_graph:
+    if capture and max_new_tokens > WARM_UP_STEPS + steps_per_graph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up outside the capture, on a side stream as torch's CUDA graphs ask
-            blocks.append(step()[:, None])
+        with torch.cuda.stream(side):  # warm-up outside the capture, on a side stream as torch's CUDA graphs ask
+            blocks += [step()[:, None] for _ in range(WARM_UP_STEPS)]
         torch.cuda.current_stream().wait_stream(side)
-        made = 1
+        made = WARM_UP_STEPS
         if not finished():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
