@@ -154,9 +154,12 @@ def steps_until_finished(tokens: torch.Tensor, end_ids) -> int:
     return int(ended.int().argmax(-1).max()) + 1  # each row's first end id
 
 
-def greedy_decoding(model, input_ids, stopping_criteria, generation_config, model_kwargs, mla_mask, forward, capture):
+def greedy_decoding(
+    model, input_ids, stopping_criteria, generation_config, model_kwargs, mla_mask, forward, steps_per_graph, capture
+):
     """Greedy decoding after the prefill: `input_ids` [B, L] with the generated tokens appended, as `_sample`
-    returns them. `forward` is the compiled model call; `capture` replays blocks of steps as CUDA graphs."""
+    returns them. `forward` is the compiled model call; `capture` replays blocks of `steps_per_graph` steps as CUDA
+    graphs."""
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
     cache = model_kwargs[CACHE_NAME]
     end_ids = generation_config._eos_token_tensor
@@ -173,7 +176,6 @@ def greedy_decoding(model, input_ids, stopping_criteria, generation_config, mode
         cache_length = None if mla_mask is None else cache.get_max_length()
         state = start_state(first, model_kwargs.get("attention_mask"), prompt_length, cache_length)
         state.unfinished.copy_(unfinished)
-        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", STEPS_PER_GRAPH)
 
         def step():
             return decode_step(forward, cache, state, end_ids, pad_id, mla_mask, model.dtype)

@@ -2090,7 +2090,7 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         forward = uncaptured_compile_call(self, generation_config.compile_config or self._default_compile_config())
         mla_mask = None if not has_mla else "additive" if implementation == "eager" else "bool"
         return greedy_decoding(
-            self, input_ids, stopping_criteria, generation_config, model_kwargs, mla_mask, forward,
+            self, input_ids, stopping_criteria, generation_config, model_kwargs, mla_mask, forward, steps_per_graph,
             capture=self.device.type == "cuda",
         )  # fmt: skip
 
