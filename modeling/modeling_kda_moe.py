@@ -1163,8 +1163,9 @@ class KdaMoeExperts(nn.Module):
     `config.experts_implementation` picks this eager loop or transformers' batched / grouped GEMMs; all of them call
     `_apply_gate`, so SiTU-GLU is used everywhere. On the Triton backend two of our kernels take over: decoding (a few
     tokens, no autograd) runs `moe_decode`, one kernel that reads only the chosen experts' weights, each once
-    (`takes_decode_kernel`); `"grouped_mm"` for more tokens, with autograd, runs `grouped_experts`, grouped GEMMs with
-    the activation and the routing weights in one kernel between them (`takes_grouped_kernel`).
+    (`takes_decode_kernel`); `"grouped_mm"` for more tokens, with or without autograd (and `"batched_mm"` without),
+    runs `grouped_experts`, grouped GEMMs with the activation and the routing weights in one kernel between them
+    (`takes_grouped_kernel`).
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -1219,10 +1220,18 @@ class KdaMoeExperts(nn.Module):
         return resolve_backend(self.backend, hidden_states, *weights) == "triton"
 
     def takes_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
-        """Whether this call runs `grouped_experts`' Triton path: `config.experts_implementation == "grouped_mm"`,
-        weights that hold all E experts as plain tensors (`holds_every_expert_whole`), and the kernel backend resolving
-        to Triton for these tensors."""
-        if self.config._experts_implementation != "grouped_mm" or not self.holds_every_expert_whole():
+        """Whether this call runs `grouped_experts`' Triton path: `config.experts_implementation == "grouped_mm"`, or
+        `"batched_mm"` in a call without autograd (generate() switches grouped_mm to batched_mm while decoding, whose
+        per-token weight gathers read an expert once for every token that picks it: past the decode kernel's token
+        count the grouped path, which reads each once, computes the same thing) that is eager or has bf16 weights
+        (compiled, other dtypes take transformers' per-expert fallback GEMM, which reads the group sizes on the host:
+        no CUDA graph could hold it); weights that hold all E experts as plain tensors (`holds_every_expert_whole`);
+        and the kernel backend resolving to Triton for these tensors."""
+        implementation = self.config._experts_implementation
+        graph_safe = not torch.compiler.is_compiling() or self.gate_up_proj.dtype == torch.bfloat16
+        decoding = implementation == "batched_mm" and not torch.is_grad_enabled() and graph_safe
+        grouped = implementation == "grouped_mm" or decoding
+        if not grouped or not self.holds_every_expert_whole():
             return False
         return resolve_backend(self.backend, hidden_states, self.gate_up_proj, self.down_proj) == "triton"
 

@@ -215,3 +215,26 @@ def test_parametrized_expert_weights_reach_the_grouped_kernel_as_tensors():
         results.append((out, x.grad, experts.parametrizations.gate_up_proj.original.grad, experts.down_proj.grad))
     for a, b in zip(*results):
         assert rel(a, b) < 1e-5
+
+
+def test_decoding_past_the_decode_kernel_under_batched_mm_takes_the_grouped_kernel(monkeypatch):
+    """generate() switches grouped_mm to batched_mm while decoding (`_optimize_model_for_decode`): a forward without
+    autograd of more tokens than the decode kernel takes then runs the grouped kernel (each expert read once, not
+    once per token) with batched_mm's logits; with autograd batched_mm keeps its own forward."""
+    from kda_moe.kernels import moe
+
+    calls = []
+    kernel = grouped.grouped_experts_triton
+    monkeypatch.setattr("kda_moe.kernels.moe.grouped_experts_triton",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
+    model = tiny_model(seed=0, kernel_backend="triton", linear_head_dim=16, experts_implementation="batched_mm").to(dev)
+    reference = tiny_model(seed=0, linear_head_dim=16, experts_implementation="batched_mm").to(dev)
+    sparse_layers = model.config.mlp_layer_types.count("sparse")
+    input_ids = torch.randint(1, 97, (1, moe.MAX_DECODE_TOKENS + 1), generator=torch.Generator().manual_seed(3))
+    input_ids = input_ids.to(dev)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        assert calls == [moe.MAX_DECODE_TOKENS + 1] * sparse_layers
+        assert rel(logits, reference(input_ids).logits) < (1e-5 if INTERPRETED else 1e-3)
+    model(input_ids)  # with autograd: transformers' batched_mm
+    assert len(calls) == sparse_layers
