@@ -5,8 +5,8 @@
 - ``static``: ours with ``cache_implementation="static"`` through transformers' decoding loop, one step at a time
   (``decode_steps_per_graph=None``), the step compiled by transformers (``generation_config.compile_config``:
   fullgraph, CUDA graphs);
-- ``graphed``: the same, decoding in blocks of ``decode_steps_per_graph`` (16) steps, each block one CUDA-graph
-  replay (generate()'s default for greedy decoding on a static cache);
+- ``graphed``: the same, decoding in blocks of ``decode_steps_per_graph = 16`` steps, each block one CUDA-graph
+  replay;
 - ``theirs``: transformers' KimiLinearForCausalLM with fla's kernels, on the same checkpoint;
 
 beside the bandwidth floor: the bytes one step must read (active weights, KDA states read and written, the MLA latent

@@ -20,7 +20,6 @@ from transformers.generation import CompileConfig
 
 from ..compat import CACHE_NAME
 
-STEPS_PER_GRAPH = 16  # the default of `generation_config.decode_steps_per_graph`
 # steps run before the capture: the first compiles the step, the second shows that it needs no recompilation (a
 # compilation inside the capture would fail)
 WARM_UP_STEPS = 2

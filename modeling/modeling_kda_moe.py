@@ -69,7 +69,7 @@ from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
 from .conversion import checkpoint_layout, layout_config_dict, layout_conversions
-from .graphed_decoding import STEPS_PER_GRAPH, greedy_decoding, uncaptured_compile_call
+from .graphed_decoding import greedy_decoding, uncaptured_compile_call
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2059,11 +2059,11 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None,
         **model_kwargs,
     ):  # fmt: skip
-        """transformers' decoding loop, except for greedy decoding on a static cache that generate() compiles: that
-        runs in blocks of `generation_config.decode_steps_per_graph` steps (default 16; None: transformers' loop),
-        each block one CUDA-graph replay on a GPU (`graphed_decoding.py`): the same tokens, without the host work
-        transformers' loop does around every step."""
-        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", STEPS_PER_GRAPH)
+        """transformers' decoding loop, except for greedy decoding on a static cache that generate() compiles when
+        `generation_config.decode_steps_per_graph` is set (e.g. 16; unset or None: transformers' loop): that runs in
+        blocks of so many steps, each block one CUDA-graph replay on a GPU (`graphed_decoding.py`): the same tokens,
+        without the host work transformers' loop does around every step."""
+        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", None)
         if steps_per_graph is not None and (
             isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int) or steps_per_graph < 1
         ):

@@ -78,15 +78,20 @@ def test_batch_of_one_graphed_greedy_gives_the_step_by_step_tokens(model):
         dict(logits_processor=LogitsProcessorList([MinLengthLogitsProcessor(9, eos_token_id=3)])),
         dict(return_dict_in_generate=True),
         dict(decode_steps_per_graph=None),
+        dict(decode_steps_per_graph="unset"),
     ],
-    ids=["sampling", "logits_processor", "return_dict", "turned_off"],
+    ids=["sampling", "logits_processor", "return_dict", "turned_off", "unset"],
 )
 def test_other_decoding_keeps_transformers_loop(model, options, monkeypatch):
     """Sampling, logits processors and a returned cache (which would hold the steps run past the end) go through
-    transformers' loop, as does `decode_steps_per_graph=None`."""
+    transformers' loop, as does `decode_steps_per_graph` None or unset (the default)."""
     input_ids, attention_mask = prompts(2)
     options = dict(options)  # the parameter is shared by both models
-    monkeypatch.setattr(model.generation_config, "decode_steps_per_graph", options.pop("decode_steps_per_graph", 4))
+    steps = options.pop("decode_steps_per_graph", 4)
+    if steps == "unset":
+        monkeypatch.delattr(model.generation_config, "decode_steps_per_graph")
+    else:
+        monkeypatch.setattr(model.generation_config, "decode_steps_per_graph", steps)
     calls = count_graphed_calls(monkeypatch)
     graphed_generate(model, input_ids, attention_mask, eos_token_id=None, **options)
     assert calls == []
