@@ -211,7 +211,7 @@ def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
     batch, prompt = input_ids.shape
     chunk = prefill_chunk or prefill_chunk_size(batch, prompt, case)
     # `compiled` below tells whether generate() compiled (transformers keeps its call, the graphed loop its own)
-    compiled_call = {"static": "_compiled_call", "graphed": "_uncaptured_compiled_call"}.get(case)
+    compiled_call = {"static": "_compiled_call", "graphed": "_uncaptured_compile"}.get(case)
     model.__dict__.pop(compiled_call, None)
     if case == "graphed":
         start, end, _, _ = timed_generate(model, case, input_ids, 1, chunk)

@@ -104,10 +104,9 @@ def uncaptured_compile_call(model, compile_config: CompileConfig):
     if options.get("options"):
         options["options"] = {**options["options"], "triton.cudagraphs": False}
     key = repr(sorted(options.items()))
-    if getattr(model, "_uncaptured_compile_key", None) != key:
-        model._uncaptured_compile_key = key
-        model._uncaptured_compiled_call = torch.compile(model.__call__, **options)
-    return model._uncaptured_compiled_call
+    if getattr(model, "_uncaptured_compile", (None,))[0] != key:
+        model._uncaptured_compile = (key, torch.compile(model.__call__, **options))
+    return model._uncaptured_compile[1]
 
 
 def run_blocks(step, state: DecodeState, max_new_tokens: int, steps_per_graph: int, capture: bool) -> torch.Tensor:

@@ -109,7 +109,7 @@ def test_decode_steps_per_graph_must_be_a_positive_count(model, steps, monkeypat
 def test_blocks_replayed_as_cuda_graphs_give_transformers_compiled_tokens(batch_size):
     """On a GPU (Triton kernels, fp32): blocks of 4 steps as CUDA graphs against transformers' compiled loop
     (inductor, its own CUDA graphs, one step at a time) on the same model, with an end token one row produces."""
-    model = randomize_balancing_and_depth_mixing(tiny_model(seed=0, kernel_backend="triton")).cuda()
+    model = randomize_balancing_and_depth_mixing(tiny_model(seed=0, kernel_backend="triton", linear_head_dim=16)).cuda()
     input_ids, attention_mask = (tensor.cuda() for tensor in prompts(batch_size))
     settings = dict(attention_mask=attention_mask, cache_implementation="static", **GREEDY)
     with torch.no_grad():
