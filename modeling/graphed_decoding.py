@@ -6,16 +6,15 @@ processing, stopping criteria): at small batch more than the step's GPU time. He
 fixed tensors (`DecodeState`: the last token, its position id and cache position, the padding of the prompt, the
 unfinished rows), and the step advances them itself, so `steps_per_graph` consecutive steps are captured as one CUDA
 graph and replayed until every row has finished or the length limit is reached. The host looks at the tokens once a
-block; steps run after the last row finished are dropped, as transformers' deferred stopping check drops its extra
-steps. The tokens are those of transformers' greedy loop: the same compiled forward, the same masks and position ids.
+block; steps run after the last row finished, or past the last token (the cache is a block longer), are dropped, as
+transformers' deferred stopping check drops its extra steps. The tokens are those of transformers' greedy loop: the
+same compiled forward, the same masks and position ids. The model keeps the decoder (graph, state and cache) for the
+next generate() call of the same batch size.
 
 Without a GPU the blocks run step by step (no graph), which checks the loop's logic anywhere.
 """
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from transformers.generation import CompileConfig
 
 from ..compat import CACHE_NAME
@@ -25,34 +24,40 @@ from ..compat import CACHE_NAME
 WARM_UP_STEPS = 2
 
 
-@dataclass
 class DecodeState:
-    """The inputs of the next decode step, updated in place by the step (fixed addresses: a CUDA graph reads them)."""
+    """The inputs of the next decode step in tensors allocated once and updated in place, by the step itself and by
+    `start` at each generate() call (fixed addresses: a CUDA graph reads them)."""
 
-    token: torch.Tensor  # [B] the last token, fed to the next step
-    position_ids: torch.Tensor  # [B, 1] its position id (the count of unpadded tokens before it)
-    cache_position: torch.Tensor  # [] its index in the static cache
-    unfinished: torch.Tensor  # [B] bool: rows that have not produced an end-of-sequence token
-    kept: torch.Tensor | None  # [B, S] bool: the cache positions the padding mask keeps (every generated one)
-    columns: torch.Tensor | None  # [S] 0 .. S - 1 (both None without MLA layers)
+    def __init__(self, batch_size: int, cache_length: int | None, device):
+        self.token = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] the last token, fed to the step
+        self.position_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1] its position id
+        self.cache_position = torch.zeros((), dtype=torch.long, device=device)  # [] its index in the static cache
+        self.unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)  # [B] rows without an end token
+        # MLA layers only: [B, S] the cache positions the padding mask keeps (every generated one), [S] 0 .. S - 1
+        self.kept = None if cache_length is None else torch.ones(batch_size, cache_length, dtype=torch.bool, device=device)
+        self.columns = None if cache_length is None else torch.arange(cache_length, device=device)
 
+    def fits(self, batch_size: int, length: int, dtype, device) -> bool:
+        """Whether this decoder's cache holds `batch_size` sequences of `length` tokens in `dtype` on `device`."""
+        cache_length = self.cache.get_max_length()  # -1 without MLA layers: any length
+        return (
+            (batch_size, dtype, torch.device(device)) == (self.batch_size, self.dtype, self.device)
+            and (cache_length < 0 or cache_length >= length)
+        )
 
-def start_state(first_token, attention_mask, prompt_length: int, cache_length: int | None) -> DecodeState:
-    """The state before the first decode step: `first_token` [B] (chosen from the prefill's logits) goes at cache
-    position `prompt_length`; `attention_mask` [B, prompt_length] is the prompt's padding mask (None: no padding);
-    `cache_length`: the MLA layers' cache length S (None without MLA layers)."""
-    batch_size, device = first_token.shape[0], first_token.device
-    if attention_mask is None:
-        attention_mask = torch.ones(batch_size, prompt_length, dtype=torch.bool, device=device)
-    attention_mask = attention_mask.bool()
-    return DecodeState(
-        token=first_token.clone(),
-        position_ids=attention_mask.sum(-1, keepdim=True),  # transformers: cumsum(mask) - 1 at the new token
-        cache_position=torch.tensor(prompt_length, device=device),
-        unfinished=torch.ones(batch_size, dtype=torch.bool, device=device),
-        kept=None if cache_length is None else F.pad(attention_mask, (0, cache_length - prompt_length), value=True),
-        columns=None if cache_length is None else torch.arange(cache_length, device=device),
-    )
+    def start(self, first_token, unfinished, attention_mask, prompt_length: int) -> None:
+        """Before the first decode step: `first_token` [B] (chosen from the prefill's logits) goes at cache position
+        `prompt_length`; `attention_mask` [B, prompt_length] is the prompt's padding mask (None: no padding)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(self.token, dtype=torch.bool)[:, None].expand(-1, prompt_length)
+        attention_mask = attention_mask.bool()
+        self.token.copy_(first_token)
+        self.position_ids.copy_(attention_mask.sum(-1, keepdim=True))  # transformers: cumsum(mask) - 1 at the token
+        self.cache_position.fill_(prompt_length)
+        self.unfinished.copy_(unfinished)
+        if self.kept is not None:
+            self.kept.fill_(True)
+            self.kept[:, :prompt_length] = attention_mask
 
 
 def choose_tokens(logits: torch.Tensor, unfinished: torch.Tensor, end_ids, pad_id) -> torch.Tensor:
@@ -109,36 +114,81 @@ def uncaptured_compile_call(model, compile_config: CompileConfig):
     return model._uncaptured_compile[1]
 
 
-def run_blocks(step, state: DecodeState, max_new_tokens: int, steps_per_graph: int, capture: bool) -> torch.Tensor:
-    """Run `step()` (one decode step, returns the tokens [B]) until every row has finished or `max_new_tokens`
-    tokens were made; on CUDA (`capture`) the first `WARM_UP_STEPS` steps run plain (compilation, autotuning),
-    then `steps_per_graph` steps are captured as one CUDA graph and replayed. Returns the tokens [B, steps run]."""
-    blocks, made = [], 0
+class GraphedDecoder:
+    """Greedy decode steps on one static cache for one batch shape, in blocks of `steps_per_graph`: on CUDA the first
+    call warms the compiled step up (`WARM_UP_STEPS` steps) and captures a block as one CUDA graph, and every block of
+    this and later generate() calls is a replay of it. The model keeps its last decoder (`greedy_decoding`), with the
+    cache the graph reads (`KdaMoeForCausalLM._prepare_cache_for_generation` hands that cache out again), so a
+    generate() call with the same settings pays no capture."""
 
-    def finished() -> bool:
-        return made >= max_new_tokens or not bool(state.unfinished.any())
+    def __init__(self, forward, cache, batch_size: int, steps_per_graph: int, mla_mask, end_ids, pad_id, dtype, device):
+        self.key = (forward, cache, batch_size, steps_per_graph, mla_mask, None if end_ids is None else end_ids.shape)
+        self.batch_size, self.device = batch_size, torch.device(device)
+        self.forward, self.cache, self.steps_per_graph, self.mla_mask, self.dtype = (
+            forward, cache, steps_per_graph, mla_mask, dtype
+        )  # fmt: skip
+        self.state = DecodeState(batch_size, None if mla_mask is None else cache.get_max_length(), device)
+        self.end_ids = None if end_ids is None else end_ids.clone()  # the graph reads these tensors: kept, refilled
+        self.pad_id = None if pad_id is None else pad_id.clone()
+        self.graph, self.block = None, None
 
-    if capture and max_new_tokens > WARM_UP_STEPS + steps_per_graph:
+    def serves(self, forward, cache, batch_size, steps_per_graph, mla_mask, end_ids) -> bool:
+        key = (forward, cache, batch_size, steps_per_graph, mla_mask, None if end_ids is None else end_ids.shape)
+        return len(key) == len(self.key) and all(a is b or a == b for a, b in zip(key, self.key))
+
+    def fits(self, batch_size: int, length: int, dtype, device) -> bool:
+        """Whether this decoder's cache holds `batch_size` sequences of `length` tokens in `dtype` on `device`."""
+        cache_length = self.cache.get_max_length()  # -1 without MLA layers: any length
+        return (
+            (batch_size, dtype, torch.device(device)) == (self.batch_size, self.dtype, self.device)
+            and (cache_length < 0 or cache_length >= length)
+        )
+
+    def start(self, first_token, unfinished, attention_mask, prompt_length: int, end_ids, pad_id) -> None:
+        self.state.start(first_token, unfinished, attention_mask, prompt_length)
+        if end_ids is not None:
+            self.end_ids.copy_(end_ids)
+            self.pad_id.copy_(pad_id)
+
+    def step(self) -> torch.Tensor:
+        return decode_step(self.forward, self.cache, self.state, self.end_ids, self.pad_id, self.mla_mask, self.dtype)
+
+    def steps(self, count: int) -> torch.Tensor:
+        return torch.stack([self.step() for _ in range(count)], dim=1)  # [B, count]
+
+    def warm_up_and_capture(self) -> torch.Tensor:
+        """Run `WARM_UP_STEPS` real steps on a side stream (compilation and autotuning, as torch's CUDA graphs ask),
+        then capture one block (recorded, not run); returns the warm-up steps' tokens [B, WARM_UP_STEPS]."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture, on a side stream as torch's CUDA graphs ask
-            blocks += [step()[:, None] for _ in range(WARM_UP_STEPS)]
+        with torch.cuda.stream(side):
+            tokens = self.steps(WARM_UP_STEPS)
         torch.cuda.current_stream().wait_stream(side)
-        made = WARM_UP_STEPS
-        if not finished():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                block = torch.stack([step() for _ in range(steps_per_graph)], dim=1)  # [B, steps_per_graph]
-            while made + steps_per_graph <= max_new_tokens and not finished():
-                graph.replay()
-                blocks.append(block.clone())
-                made += steps_per_graph
-            del graph
-    while not finished():  # the steps left over (all of them without a graph), checked one by one
-        chunk = min(steps_per_graph, max_new_tokens - made)
-        blocks.append(torch.stack([step() for _ in range(chunk)], dim=1))
-        made += chunk
-    return torch.cat(blocks, dim=1)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.block = self.steps(self.steps_per_graph)
+        return tokens
+
+    def run(self, max_new_tokens: int, room: float, capture: bool) -> torch.Tensor:
+        """Steps until every row has finished or `max_new_tokens` tokens were made; a block may run past the end
+        while the cache has `room` for that many steps (its extra tokens are cut later). Returns the tokens [B, run]."""
+        k = self.steps_per_graph
+        blocks, made = [], 0
+        if capture and self.graph is None and max_new_tokens > WARM_UP_STEPS and WARM_UP_STEPS + k <= room:
+            blocks.append(self.warm_up_and_capture())
+            made = WARM_UP_STEPS
+        while made < max_new_tokens and bool(self.state.unfinished.any()):
+            if made + k <= room and (self.graph is not None or not capture):
+                if self.graph is not None:
+                    self.graph.replay()
+                    blocks.append(self.block.clone())
+                else:
+                    blocks.append(self.steps(k))
+                made += k
+            else:  # no graph, or a block would not fit the cache: the rest step by step
+                blocks.append(self.steps(1))
+                made += 1
+        return torch.cat(blocks, dim=1)[:, :max_new_tokens]
 
 
 def steps_until_finished(tokens: torch.Tensor, end_ids) -> int:
@@ -157,7 +207,7 @@ def greedy_decoding(
 ):
     """Greedy decoding after the prefill: `input_ids` [B, L] with the generated tokens appended, as `_sample`
     returns them. `forward` is the compiled model call; `capture` replays blocks of `steps_per_graph` steps as CUDA
-    graphs."""
+    graphs, through the model's `GraphedDecoder` for this cache and batch (built here when it has none)."""
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
     cache = model_kwargs[CACHE_NAME]
     end_ids = generation_config._eos_token_tensor
@@ -171,15 +221,18 @@ def greedy_decoding(
     del outputs
     tokens = first[:, None]
     if max_new_tokens > 1 and bool(unfinished.any()):
-        cache_length = None if mla_mask is None else cache.get_max_length()
-        state = start_state(first, model_kwargs.get("attention_mask"), prompt_length, cache_length)
-        state.unfinished.copy_(unfinished)
-
-        def step():
-            return decode_step(forward, cache, state, end_ids, pad_id, mla_mask, model.dtype)
-
+        decoder = model.__dict__.get("_graphed_decoder")
+        if decoder is None or not decoder.serves(forward, cache, batch_size, steps_per_graph, mla_mask, end_ids):
+            decoder = model._graphed_decoder = None  # a new one: drop the old graph's memory first
+            decoder = GraphedDecoder(
+                forward, cache, batch_size, steps_per_graph, mla_mask, end_ids, pad_id, model.dtype, input_ids.device
+            )
+            model._graphed_decoder = decoder
+        decoder.start(first, unfinished, model_kwargs.get("attention_mask"), prompt_length, end_ids, pad_id)
+        length = cache.get_max_length()  # -1 without MLA layers: no limit
+        room = float("inf") if length < 0 else length - prompt_length  # decode steps the cache has positions for
         with model._optimize_model_for_decode():
-            later = run_blocks(step, state, max_new_tokens - 1, steps_per_graph, capture)
+            later = decoder.run(max_new_tokens - 1, room, capture)
         tokens = torch.cat([tokens, later], dim=1)
     tokens = tokens[:, : steps_until_finished(tokens, end_ids)]
     return torch.cat([input_ids, tokens], dim=1)

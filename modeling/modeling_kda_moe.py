@@ -1489,13 +1489,25 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """generate()'s default cache is a `KdaMoeCache` (transformers would build a `DynamicCache`); for assisted
         and prompt-lookup decoding it records the states of the drafted tokens, so `crop` can roll KDA layers back.
-        `cache_implementation="static"` builds a `KdaMoeStaticCache` (`_prepare_static_cache`)."""
-        if (
-            model_kwargs.get(CACHE_NAME) is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic")
-        ):
+        `cache_implementation="static"` builds a `KdaMoeStaticCache` (`_prepare_static_cache`); for greedy decoding
+        in CUDA-graph blocks (`decode_steps_per_graph`, see `_sample`) one a block longer, so that a block may run past
+        the last token, or the cache of the model's `GraphedDecoder` again, reset, so that its graph is replayed."""
+        uses_cache = model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False
+        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", None)
+        if uses_cache and generation_config.cache_implementation in (None, "dynamic"):
             model_kwargs[CACHE_NAME] = KdaMoeCache(self.config)
+        elif (
+            uses_cache
+            and generation_config.cache_implementation == "static"
+            and isinstance(steps_per_graph, int)
+            and generation_mode == GenerationMode.GREEDY_SEARCH
+            and not generation_config.return_dict_in_generate  # a returned cache is never handed out again
+            and len(set(getattr(self, "hf_device_map", {}).values())) <= 1
+            and len(args) == 2
+        ):
+            batch_size, max_cache_length = args
+            length = max(max_cache_length, generation_config.max_cache_len or 0) + steps_per_graph
+            model_kwargs[CACHE_NAME] = self._graphed_decoding_cache(batch_size, length)
         else:
             super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
         cache = model_kwargs.get(CACHE_NAME)
@@ -1508,6 +1520,15 @@ class KdaMoePreTrainedModel(PreTrainedModel):
                 )
             drafted = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens
             cache.activate_past_recording(recurrent_states_to_keep=drafted)
+
+    def _graphed_decoding_cache(self, batch_size: int, length: int) -> "KdaMoeStaticCache":
+        """The static cache of the model's `GraphedDecoder`, reset, where it fits `batch_size` sequences of `length`
+        tokens in the model's dtype and device; else a new one."""
+        decoder = self.__dict__.get("_graphed_decoder")
+        if decoder is not None and decoder.fits(batch_size, length, self.dtype, self.device):
+            decoder.cache.reset()
+            return decoder.cache
+        return self._prepare_static_cache("static", batch_size, length)
 
     def _prepare_static_cache(self, cache_implementation: str, batch_size: int, max_cache_len: int, *args, **kwargs):
         """The cache of `cache_implementation="static"` (and `"offloaded_static"`, which moves MLA latents to the CPU

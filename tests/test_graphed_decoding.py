@@ -64,6 +64,25 @@ def test_graphed_greedy_gives_the_step_by_step_tokens(model, ends, monkeypatch):
         assert tokens.shape[1] < free.shape[1]
 
 
+def test_a_later_call_reuses_the_decoder_and_its_cache_and_blocks_run_past_the_end(model):
+    """The cache is a block longer than the tokens (a block may run past the last one: its extra tokens are cut); a
+    second call with the same batch size gets the same decoder and cache again (on a GPU: no new capture), another
+    batch size a new one."""
+    input_ids, attention_mask = prompts(2)
+    with torch.no_grad():
+        expected = model.generate(input_ids, attention_mask=attention_mask, eos_token_id=None, **GREEDY)
+    first = graphed_generate(model, input_ids, attention_mask, eos_token_id=None)
+    decoder = model._graphed_decoder
+    cache_length = decoder.cache.get_max_length()
+    if cache_length >= 0:  # MLA layers: the prompt, the new tokens and a block
+        assert cache_length >= input_ids.shape[1] + GREEDY["max_new_tokens"] + 4 - 1
+    again = graphed_generate(model, input_ids, attention_mask, eos_token_id=None)
+    assert model._graphed_decoder is decoder
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    graphed_generate(model, *prompts(1), eos_token_id=None)
+    assert model._graphed_decoder is not decoder
+
+
 def test_batch_of_one_graphed_greedy_gives_the_step_by_step_tokens(model):
     input_ids, attention_mask = prompts(1)
     with torch.no_grad():
