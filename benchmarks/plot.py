@@ -103,7 +103,8 @@ def plot(out, paths):
 
 
 GENERATE_LINES = (("dynamic", "ours, dynamic cache", "tab:blue"), ("static", "ours, static + compiled", "tab:green"),
-                  ("theirs", "transformers + fla", "tab:orange"), ("floor", "bandwidth floor", "k"))
+                  ("graphed", "ours, static, graphed blocks", "tab:purple"), ("theirs", "transformers + fla", "tab:orange"),
+                  ("floor", "bandwidth floor", "k"))
 
 
 def plot_generate(out, paths):
