@@ -37,14 +37,6 @@ class DecodeState:
         self.kept = None if cache_length is None else torch.ones(batch_size, cache_length, dtype=torch.bool, device=device)
         self.columns = None if cache_length is None else torch.arange(cache_length, device=device)
 
-    def fits(self, batch_size: int, length: int, dtype, device) -> bool:
-        """Whether this decoder's cache holds `batch_size` sequences of `length` tokens in `dtype` on `device`."""
-        cache_length = self.cache.get_max_length()  # -1 without MLA layers: any length
-        return (
-            (batch_size, dtype, torch.device(device)) == (self.batch_size, self.dtype, self.device)
-            and (cache_length < 0 or cache_length >= length)
-        )
-
     def start(self, first_token, unfinished, attention_mask, prompt_length: int) -> None:
         """Before the first decode step: `first_token` [B] (chosen from the prefill's logits) goes at cache position
         `prompt_length`; `attention_mask` [B, prompt_length] is the prompt's padding mask (None: no padding)."""
@@ -134,7 +126,7 @@ class GraphedDecoder:
 
     def serves(self, forward, cache, batch_size, steps_per_graph, mla_mask, end_ids) -> bool:
         key = (forward, cache, batch_size, steps_per_graph, mla_mask, None if end_ids is None else end_ids.shape)
-        return len(key) == len(self.key) and all(a is b or a == b for a, b in zip(key, self.key))
+        return all(a is b or a == b for a, b in zip(key, self.key))
 
     def fits(self, batch_size: int, length: int, dtype, device) -> bool:
         """Whether this decoder's cache holds `batch_size` sequences of `length` tokens in `dtype` on `device`."""
