@@ -27,9 +27,10 @@ bf16), saved by transformers and loaded by ours. A step's time is the median int
 tokens (a stopping criterion that never stops reads the clock after each token, once the device is done), so the
 prefill and generate()'s setup are not in it; each case runs its generate() twice and times the second, so neither
 is compilation or autotuning. The graphed case has no per-token host call to read a clock in: its step is
-(generate() of ``new_tokens`` tokens - generate() of one) / (``new_tokens`` - 1), each timed the same way. Prompts longer than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks
+(generate() of ``new_tokens`` tokens - generate() of one) / (``new_tokens`` - 1), each timed the same way. Prompts
+longer than ``PREFILL_TOKENS`` tokens over the batch are prefilled in chunks
 (generate()'s ``prefill_chunk_size``, see ``prefill_chunk_size``; ``prefill_chunk=N`` prefills every row in chunks of
-N tokens) on every side: unchunked they would not fit at batch 128 x 32K. The static and transformers' sides take
+N tokens) on every side: unchunked they would not fit at batch 128 x 32K. The static cases and transformers' take
 shorter chunks, as their MLA layers attend a chunk through a dense mask over the cache. Writes OUTDIR/generate.md and
 OUTDIR/generate.json after every case of every row (a run cut short keeps what it measured; a case that fails
 records its error), and prints the tables last.
@@ -212,7 +213,8 @@ def run_case(model, case, input_ids, new_tokens, prefill_chunk=None):
     chunk = prefill_chunk or prefill_chunk_size(batch, prompt, case)
     # `compiled` below tells whether generate() compiled (transformers keeps its call, the graphed loop its own)
     compiled_call = {"static": "_compiled_call", "graphed": "_uncaptured_compile"}.get(case)
-    model.__dict__.pop(compiled_call, None)
+    if compiled_call:
+        model.__dict__.pop(compiled_call, None)
     if case == "graphed":
         start, end, _, _ = timed_generate(model, case, input_ids, 1, chunk)
         prefill_s = end - start

@@ -1502,7 +1502,7 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             and isinstance(steps_per_graph, int)
             and generation_mode == GenerationMode.GREEDY_SEARCH
             and not generation_config.return_dict_in_generate  # a returned cache is never handed out again
-            and len(set(getattr(self, "hf_device_map", {}).values())) <= 1
+            and self.on_one_device()
             and len(args) == 2
         ):
             batch_size, max_cache_length = args
@@ -1521,6 +1521,10 @@ class KdaMoePreTrainedModel(PreTrainedModel):
             drafted = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens
             cache.activate_past_recording(recurrent_states_to_keep=drafted)
 
+    def on_one_device(self) -> bool:
+        """Whether the whole model is on one device (not spread by a `device_map` over several)."""
+        return len(set(getattr(self, "hf_device_map", {}).values())) <= 1
+
     def _graphed_decoding_cache(self, batch_size: int, length: int) -> "KdaMoeStaticCache":
         """The static cache of the model's `GraphedDecoder`, reset, where it fits `batch_size` sequences of `length`
         tokens in the model's dtype and device; else a new one."""
@@ -1537,11 +1541,10 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         one this model built, so a later generate() call reuses the compiled decode step instead of recompiling."""
         max_cache_len = max(max_cache_len, getattr(self, "_previous_max_cache_length", -1))
         self._previous_max_cache_length = max_cache_len
-        one_device = len(set(getattr(self, "hf_device_map", {}).values())) <= 1
         return KdaMoeStaticCache(
             self.config,
             max_cache_len=max_cache_len,
-            batch_size=batch_size if one_device else None,
+            batch_size=batch_size if self.on_one_device() else None,
             dtype=self.dtype,
             device=self.device,
             offloading="offloaded" in cache_implementation,
@@ -2109,7 +2112,7 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
             and isinstance(cache, KdaMoeStaticCache)
             and not getattr(cache, "_is_user_defined", False)
             and (not has_mla or implementation in STATIC_MASKS)
-            and len(set(getattr(self, "hf_device_map", {}).values())) <= 1
+            and self.on_one_device()
             and self._valid_auto_compile_criteria(model_kwargs, generation_config)
         )
         if not graphed:
