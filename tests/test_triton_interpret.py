@@ -201,9 +201,9 @@ def test_chunk_kda_fp16_inputs_and_flat_gate_without_state():
 
 
 def _diagonal_paths(x, lb, BK=32):
-    """How the (chunk, head, K slice)s of ``x`` sum their diagonal blocks: (gemm, quarters, columns) = how many have
-    every 16-token tile decaying by at most DIAG_SPAN (in the row tiles' GEMMs), how many of the rest have every
-    quarter tile's four rows within it (quarter-tile GEMMs), and how many take the column-by-column safe path."""
+    """How the gate kernel's (chunk, head, K slice)s of ``x`` sum their diagonal blocks: (gemm, quarters, columns) =
+    how many have every 16-token tile decaying by at most DIAG_SPAN (in the row tiles' GEMMs), how many of the rest
+    have every quarter tile's four rows within it (quarter-tile GEMMs), and how many take the column-by-column path."""
     from kda_moe.kernels.kda.chunk_tiles import DIAG_SPAN
 
     G = kda_gate(x["g"].double(), x["A_log"], x["dt_bias"], lb)  # [B, T, H, K], each token's log decay
@@ -270,28 +270,58 @@ def test_a_backward_finds_the_steep_chunks_once(monkeypatch):
 
 @pytest.mark.parametrize("gate_bk", [32, 16])
 @pytest.mark.parametrize("lb", [-40.0, None], ids=["bounded-beyond-safe-range", "softplus"])
-def test_diagonal_blocks_take_the_gemm_where_tiles_decay_little_and_the_safe_path_elsewhere(lb, gate_bk, monkeypatch):
-    """Without a guarantee from the gate bound, each chunk's K slice checks its tiles' decay: mild ones keep the
-    diagonal blocks in the row tiles' GEMMs, steeper ones take them as quarter-tile GEMMs, the steepest sum them
-    column by column. A mix of all three matches the reference in outputs and gradients, and differs (in rounding)
-    from the column path everywhere; taking the row tiles' GEMMs everywhere instead overflows on the steep slices."""
-    from kda_moe.kernels.kda import chunk_tiles
+def test_steep_chunks_sum_their_diagonal_blocks_apart_and_match_the_reference(lb, gate_bk, monkeypatch):
+    """Without a guarantee from the gate bound, mild chunks keep their diagonal blocks in the row tiles' GEMMs and
+    steep ones sum them apart: the forward from its diagonal-block pass, the gate kernel per K slice, in the GEMMs,
+    by quarter tiles or column by column. A mix of all of them matches the reference in outputs and gradients; every
+    chunk's forward through the pass matches it too (and differs in rounding); every chunk through the GEMMs overflows
+    on the steep ones."""
+    from kda_moe.kernels.kda import steep_chunks
 
     x = _mixed_steepness_inputs(lb)
-    paths = {bk: _diagonal_paths(x, lb, bk) for bk in (32, gate_bk)}  # the forward's K slices, the gate kernel's
-    assert all(min(counts) > 0 for counts in paths.values()), paths
+    paths = _diagonal_paths(x, lb, gate_bk)
+    assert min(paths) > 0, paths
     o, ht, grads = kda_forward_backward(x, lb, None, True, launch=fp32_launches(x, gate_bk=gate_bk))
     ro, rht, rgrads = kda_forward_backward(x, lb, None, False)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     for n in grads:
-        assert rel(grads[n], rgrads[n]) < 1e-5, (n, rel(grads[n], rgrads[n]))  # measured: 8e-7 at most
+        assert rel(grads[n], rgrads[n]) < 1e-5, (n, rel(grads[n], rgrads[n]))
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
-    monkeypatch.setattr(chunk_tiles, "DIAG_SPAN", tl.constexpr(-1.0))
-    o_safe, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
-    assert rel(o_safe, ro) < 1e-5 and not torch.equal(o_safe, o.detach())
-    monkeypatch.setattr(chunk_tiles, "DIAG_SPAN", tl.constexpr(float("inf")))
+    monkeypatch.setattr(steep_chunks, "DIAG_SPAN", tl.constexpr(-1.0))
+    o_apart, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
+    assert rel(o_apart, ro) < 1e-5 and not torch.equal(o_apart, o.detach())
+    monkeypatch.setattr(steep_chunks, "DIAG_SPAN", tl.constexpr(float("inf")))
     o_gemm, _ = chunk_kda_triton(*args, gate_lower_bound=lb, initial_state=x["h0"])
     assert not torch.isfinite(o_gemm).all()
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 192]], ids=["batch", "varlen"])
+def test_diagonal_scores_of_steep_chunks_are_the_pairwise_sums(cu_seqlens):
+    """The forward's diagonal-block pass gives, for every row i of a steep chunk, its tile's ``sum_c k_ic k_jc
+    e^(G_ic - G_jc)`` and the same with q_i for j <= i (fp64 sums of the pairwise decays, 1e-5)."""
+    from kda_moe.kernels.kda.chunk_fwd import kda_call
+    from kda_moe.kernels.kda.diagonal_blocks import diagonal_scores
+
+    x = _mixed_steepness_inputs(None)
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    call = kda_call(*(x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), None, 0.125, cu)
+    D = diagonal_scores(call)[0].double()  # [T, H, 2, 16]
+    G = kda_gate(x["g"].double(), x["A_log"], x["dt_bias"], None)[0]  # [T, H, K], each token's log decay
+    q, k = x["q"][0].double(), x["k"][0].double()
+    bounds = cu_seqlens or [0, G.shape[0]]
+    slot, checked = 0, 0
+    for bos, eos in zip(bounds, bounds[1:]):
+        for t0 in range(bos, eos, 64):
+            for h in range(G.shape[1]):
+                if call.steep[slot, h]:
+                    for i in range(t0, min(t0 + 64, eos)):
+                        j = torch.arange(t0 + (i - t0) // 16 * 16, i + 1)  # i's tile, up to i
+                        decay = torch.exp(torch.stack([G[jj + 1:i + 1, h].sum(0) for jj in j.tolist()]))  # [j, K]
+                        assert rel(D[i, h, 0, :len(j)], (k[i, h] * k[j, h] * decay).sum(-1)) < 1e-5
+                        assert rel(D[i, h, 1, :len(j)], (q[i, h] * k[j, h] * decay).sum(-1)) < 1e-5
+                        checked += 1
+            slot += 1
+    assert checked >= 64
 
 
 @pytest.mark.parametrize("decay, path", [(5.3, 0), (20.0, 1), (40.0, 2)], ids=["row-tiles", "quarter-tiles", "columns"])
@@ -300,8 +330,8 @@ def test_gate_gradients_in_steep_channels(decay, path):
     the chunk's last key in the state update, that is exactly nothing. Those decay-1 terms are the largest where a
     channel decays steeply, where the true gate gradients are tiny: formed as two sums that round differently, they
     would leave a residual that the decay cumsum's backward multiplies by G (up to -64 * decay). Kept out of dG, the
-    fp32 gate gradients match the fp64 reference to 2e-4 however the diagonal blocks are summed (``decay``: -log of
-    each token's decay, ``path`` the way its K slices take; measured at most 7e-5). With the decay-1 terms in dG,
+    fp32 gate gradients match the fp64 reference to 2e-4 however the gate kernel sums the diagonal blocks (``decay``:
+    -log of each token's decay, ``path`` the way its K slices take; measured at most 7e-5). With the decay-1 terms in dG,
     dt_bias's would be off by 5e-4, 4e2 and 5e1."""
     x = with_steep_gates(kda_inputs(1, 128, 2, 32, 16, torch.float32), decay)
     paths = _diagonal_paths(x, None)  # (row tiles, quarter tiles, columns)

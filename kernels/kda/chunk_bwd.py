@@ -19,6 +19,8 @@
    gradient's pair term are formed from the same MMA-rounded operands, and the pairs of decay 1 (A_qk's diagonal)
    go to dq and dk only: in steep channels they are the largest terms, and a residual of their two sides would be
    multiplied by G in the cumsum's backward.
+   In steep chunks (``steep_chunks.py``) it checks every K slice, and adds the diagonal blocks' pairs apart where a
+   slice's tiles decay too far for the GEMMs (``diagonal_blocks.diagonal_grads``).
 
 ``backward_launch`` picks the kernels' launch settings (a ``BackwardLaunch``) from the shape, dtype and gate;
 ``chunk_kda_bwd`` runs the stages in order (``launch_scan_bwd``, ``launch_state_grads``, ``launch_wy_grads``,
@@ -32,8 +34,9 @@ import torch
 from ..backend import tl, triton
 from .chunk_fwd import (ChunkBuffers, ForwardLaunch, KdaCall, check_scan_launch, forward_launch, kda_call, mm_dtype,
                         recompute_for_backward, scan_tile, storage_dtype)
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_grads,
-                          gate, load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, gate,
+                          load_row_norms, scan_start, as_mma_reads, tile_ends, tile_references)
+from .diagonal_blocks import diagonal_grads, slice_diagonals_in_gemms
 from .steep_chunks import chunk_launches, takes_chunk
 
 GATE_PRECISIONS = ("bf16", "tf32", "tf32x3")
@@ -319,7 +322,8 @@ def _gate_grads_kernel(q, k, g, beta, A_log, dt_bias, Nb, dLb, dAqb, dbeta_col, 
             kn = tl.load(k + pk, mask=mk, other=0.0).to(tl.float32) * rk[:, None]
             qn = tl.load(q + pk, mask=mk, other=0.0).to(tl.float32) * (rq * scale)[:, None]
             bk = kn * b[:, None]
-            diag, r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, FAST_DIAG)  # the forward's factoring
+            diag = slice_diagonals_in_gemms(c1, c2, c3, c4, FAST_DIAG)
+            r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, diag)
             pb = as_mma_reads(bk * f, MMA, PREC)
             pq = as_mma_reads(qn * f, MMA, PREC)
             rl = tl.zeros((BT, BK), dtype=tl.float32)

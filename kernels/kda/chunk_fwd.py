@@ -19,8 +19,9 @@ state ``S [K, BV]`` in registers: ``delta = U - W S`` (or ``T diag(beta) (v - k 
 ``S <- gamma * S + Kd^T delta`` (k and q normalised: raw rows take their norms here). For the backward it stores
 ``S`` per chunk (fp32 by default) and ``delta``.
 
-Where the gate's bound does not keep every tile a GEMM, the chunk kernel runs twice (``steep_chunks.py``): compiled
-GEMM-only over the chunks that allow it, then with the fallbacks over the others.
+Where the gate's bound does not keep every tile a GEMM, the chunk kernel runs twice (``steep_chunks.py``): over the
+chunks whose tiles allow it, then over the steep others, whose row tiles are split at their starts and whose diagonal
+blocks ``diagonal_blocks.diagonal_scores`` sums beforehand.
 
 ``forward_launch`` picks the kernels' launch settings (a ``ForwardLaunch``) from the shape, dtype and gate;
 ``chunk_kda_fwd`` runs ``launch_chunk_kernel`` then ``launch_output_scan``, and ``recompute_for_backward`` is the
@@ -33,9 +34,9 @@ from functools import cached_property
 import torch
 
 from ..backend import tl, triton
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, diagonal_scores,
-                          fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
                           scan_start, tile_ends, tile_references, unit_lower_inverse)
+from .diagonal_blocks import diagonal_block, diagonal_scores
 from .steep_chunks import EVERY_CHUNK, chunk_launches, steep_chunk_flags, takes_chunk
 
 
@@ -45,8 +46,7 @@ class ForwardLaunch:
 
     chunk_warps: int  # warps of the chunk kernel
     chunk_bk: int  # width of the chunk kernel's K and V slices (at most K and V)
-    chunk_stages: int  # software-pipelining depth of the chunk kernel's K loops where every tile is a GEMM
-    steep_stages: int  # the same over the chunks that may take the fallback paths (``steep_chunks.py``)
+    chunk_stages: int  # software-pipelining depth of the chunk kernel's K loops
     chunk_maxnreg: int | None  # register cap of the chunk kernel (None: the compiler's choice)
     inv_prec: str  # input precision of the 16x16 inverse's products: "ieee" (fp32) or "tf32"
     form_wu: bool  # the chunk kernel forms W and U; else the output scan applies T to v - k e^G S itself
@@ -58,19 +58,15 @@ class ForwardLaunch:
 
 def forward_launch(K: int, V: int, pairs: int, dtype: torch.dtype, *, for_backward: bool = False,
                    loads_scores: bool = False) -> ForwardLaunch:
-    """The launch of a forward over ``pairs`` (sequence, head) pairs with head dims K, V and inputs of ``dtype`` (the
-    gate picks between its two stage counts per launch, ``launch_chunk_kernel``); ``for_backward``: the backward's
-    recompute, which stores the per-chunk states and reads W and U, and ``loads_scores``: one that loads the forward's
-    kept T, A_qk and norms. The values ran fastest on an H200 (bf16, B x T x H = 16 x 4096 x 16, K = V = 128, unless a
-    comment names other shapes)."""
+    """The launch of a forward over ``pairs`` (sequence, head) pairs with head dims K, V and inputs of ``dtype``;
+    ``for_backward``: the backward's recompute, which stores the per-chunk states and reads W and U, and
+    ``loads_scores``: one that loads the forward's kept T, A_qk and norms. The values ran fastest on an H200 (bf16,
+    B x T x H = 16 x 4096 x 16, K = V = 128, unless a comment names other shapes)."""
     scan_bv, scan_stages = scan_tile(V, pairs, storage_dtype(dtype), 1, stores_states=for_backward)
     return ForwardLaunch(
         chunk_warps=4,  # 4 (8 are slower, also at a 128-register cap)
         chunk_bk=32,  # 32-wide slices (16 and 64 are slower)
-        # 4 stages where every tile is a GEMM (a gate bounded in the safe range, or a chunk no tile of which decays
-        # too far); 2 where the fallback paths may run, which deeper pipelining slows
         chunk_stages=4,
-        steep_stages=2,
         # 168: three programs per SM, a few registers spilling; 128 for a recompute that loads the kept scores: four
         # per SM without spilling
         chunk_maxnreg=128 if loads_scores else 168,
@@ -149,20 +145,18 @@ def _scores(q, k, g, dt_bias, a, lb, Wb, Qgb, Kdb, gam, rk, rq, bos, t0, L, slot
         tl.store(Wb + pk, kg.to(Wb.dtype.element_ty), mask=mk)
         sk += tl.sum(kt * kt, 1)
         sq += tl.sum(qt * qt, 1)
-        diag, r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, FAST_DIAG)  # f: each row's own-tile factor
+        r0, r1, r2, r3, f = tile_references(G, c1, c2, c3, c4, FAST_DIAG)  # f: each row's own-tile factor
         kf = kt * f
         qf = qt * f
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, diag, MMA)
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r1, 1, tile, diag, MMA)
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r2, 2, tile, diag, MMA)
-        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, diag, MMA)
-        if not diag:
-            kk, qk = diagonal_scores(kk, qk, kt, qt, G, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r0, 0, tile, FAST_DIAG, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r1, 1, tile, FAST_DIAG, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r2, 2, tile, FAST_DIAG, MMA)
+        kk, qk = _row_tile_scores(kk, qk, kf, qf, kt, G, r3, 3, tile, FAST_DIAG, MMA)
     return kk, qk, sk, sq
 
 
 @triton.jit
-def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, diag, MMA: tl.constexpr):
+def _row_tile_scores(kk, qk, kf, qf, kt, G, r, R: tl.constexpr, tile, diag: tl.constexpr, MMA: tl.constexpr):
     """Add row tile R's scores: rows of tile R of (kf, qf) times the columns it may see, k_j e^(r - G_j)."""
     col = (kt * column_factor(G, r, R, diag)).to(MMA)
     own = (tile == R)[:, None]
@@ -193,7 +187,7 @@ def _unit_lower_inverse64(Lm, INV_PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, Nb, gam, cu_seqlens, chunk_indices,
+def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, Nb, gam, Db, cu_seqlens, chunk_indices,
                   steep, T, scale, lb, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, CHUNKS: tl.constexpr,
                   FAST_DIAG: tl.constexpr, MMA: tl.constexpr, INV_PREC: tl.constexpr, STORE_T: tl.constexpr,
@@ -221,6 +215,9 @@ def _chunk_kernel(q, k, v, g, beta, A_log, dt_bias, Wb, Ub, Qgb, Kdb, Aqb, Tb, N
                                          i_h, H, K, BK, BOUNDED, FAST_DIAG, MMA)
                 rk = inverse_norm(sk)
                 rq = inverse_norm(sq)
+            if not FAST_DIAG:  # a steep chunk: its tiles' own blocks come from diagonal_blocks.py
+                kk += diagonal_block(Db, tok, m_r, 0)
+                qk += diagonal_block(Db, tok, m_r, 1)
             # A_qk = diag(rq) qk diag(rk) * scale, causal
             Aq = tl.where(o_c[None, :] <= o_c[:, None], qk * (rq * scale)[:, None] * rk[None, :], 0.0)
             tl.store(Aqb + p64, Aq.to(Aqb.dtype.element_ty), mask=m64)
@@ -428,15 +425,16 @@ def launch_chunk_kernel(call: KdaCall, launch: ForwardLaunch, *, store_scores: b
     # loading the scores skips the scores pass, the only part that a steep gate changes
     launches = [(EVERY_CHUNK.value, fast_diag(call.gate_lower_bound), None)] if scores is not None else \
         chunk_launches(call)
+    D = diagonal_scores(call) if len(launches) > 1 else None  # the steep chunks' diagonal blocks
     for chunks, gemm_only, steep in launches:
         _chunk_kernel[(call.NS, H)](
-            q, k, v, call.g, call.beta, call.A_log, call.dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, call.cu_seqlens,
+            q, k, v, call.g, call.beta, call.A_log, call.dt_bias, W, U, Qg, Kd, Aqk, Tm, norms, gam, D, call.cu_seqlens,
             call.chunk_indices, steep, T, call.scale, call.lb, H=H, K=K, V=V, BK=min(K, launch.chunk_bk),
             BV=min(V, launch.chunk_bk), IS_VARLEN=call.cu_seqlens is not None,
             BOUNDED=call.gate_lower_bound is not None, CHUNKS=chunks, FAST_DIAG=gemm_only, MMA=mm_dtype(v.dtype),
             INV_PREC=launch.inv_prec, STORE_T=Tm is not None and scores is None, LOAD_T=scores is not None,
             STORE_NORMS=norms is not None and scores is None, FORM_WU=launch.form_wu, num_warps=launch.chunk_warps,
-            num_stages=launch.chunk_stages if gemm_only else launch.steep_stages, maxnreg=launch.chunk_maxnreg)
+            num_stages=launch.chunk_stages, maxnreg=launch.chunk_maxnreg)
     return ChunkBuffers(W, U, Qg, Kd, Aqk, Tm, norms, gam, launch.form_wu)
 
 

@@ -11,12 +11,9 @@ two factors that cannot overflow, split at a reference ``r_R`` of the row tile R
 * when no channel decays by more than ``DIAG_SPAN`` (e^-94.4) across a 16-token tile, ``r_R`` is the tile's mid
   decay: within the tile both factors lie within ``exp(47.2)`` and columns before it only shrink, so the diagonal
   block is in the GEMM too. A bounded gate (``g >= lower_bound >= -SAFE_LOWER_BOUND``) guarantees it for every
-  tile; for any other gate (softplus, or bounded beyond that) ``steep_chunks.py`` marks the chunks where it fails,
-  and the kernels' launch over those checks it again per K slice (``tile_references``);
-* otherwise ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns before the tile, and
-  the diagonal block is summed apart (``diagonal_scores``): by quarter tiles, each split at its own mid decay, as
-  GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's four rows, else one column at a time
-  with the pairwise decay (the safe path the bounded gate exists to avoid).
+  tile; for any other gate (softplus, or bounded beyond that) ``steep_chunks.py`` marks the chunks where it fails;
+* in those, ``r_R`` is the decay at the tile start, both factors are <= 1 for the columns before the tile, and
+  the diagonal block is summed apart (``diagonal_blocks.py``).
 """
 
 from ..backend import tl, triton
@@ -26,11 +23,10 @@ from .tile_limits import CHUNK_SIZE, SAFE_LOWER_BOUND
 BT = tl.constexpr(CHUNK_SIZE)  # the chunk length as a constexpr the kernels read
 NORM_EPS = tl.constexpr(L2NORM_EPS)
 DIAG_SPAN = tl.constexpr(16 * SAFE_LOWER_BOUND)  # the largest decay (-log) across a tile whose diagonal is a GEMM
-SUBTILE = tl.constexpr(4)  # rows of the quarter tiles the diagonal blocks fall back to where a tile decays too far
 
 
 def fast_diag(gate_lower_bound) -> bool:
-    """Whether the gate's bound alone keeps every tile within DIAG_SPAN (the kernels then skip the check)."""
+    """Whether the gate's bound alone keeps every tile within DIAG_SPAN (no chunk is then steep)."""
     return gate_lower_bound is not None and -gate_lower_bound <= SAFE_LOWER_BOUND
 
 
@@ -87,24 +83,18 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def tile_references(G, c1, c2, c3, c4, FAST_DIAG: tl.constexpr):
-    """(diag, r_0..r_3, f) of one chunk's K slice with tile-end decays c1..c4 (``tile_ends``): whether its diagonal
-    blocks are in the GEMMs (always under a gate bounded within the safe range, ``FAST_DIAG``; else when no channel
-    decays by more than ``DIAG_SPAN`` across any of its tiles, checked here), the row tiles' decay references ([BK]
-    each, see ``tile_reference``) and every row's factor against its own tile's reference, ``e^(G_i - r_R(i))``
-    ([64, BK])."""
+def tile_references(G, c1, c2, c3, c4, diag):
+    """(r_0..r_3, f) of one chunk's K slice with tile-end decays c1..c4 (``tile_ends``): the row tiles' decay
+    references ([BK] each, see ``tile_reference``; ``diag``: the slice's diagonal blocks are in the GEMMs) and every
+    row's factor against its own tile's reference, ``e^(G_i - r_R(i))`` ([64, BK])."""
     tile = (tl.arange(0, BT) // 16)[:, None]
-    if FAST_DIAG:
-        diag = True
-    else:
-        diag = tl.max(tile_spans(c1, c2, c3, c4), 0) <= DIAG_SPAN
     r0 = tile_reference(tl.zeros_like(c1), c1, diag)
     r1 = tile_reference(c1, c2, diag)
     r2 = tile_reference(c2, c3, diag)
     r3 = tile_reference(c3, c4, diag)
     rows = tl.where(tile == 0, r0[None, :], tl.where(tile == 1, r1[None, :], tl.where(tile == 2, r2[None, :],
                                                                                         r3[None, :])))
-    return diag, r0, r1, r2, r3, tl.exp(G - rows)
+    return r0, r1, r2, r3, tl.exp(G - rows)
 
 
 @triton.jit
@@ -117,7 +107,7 @@ def tile_spans(c1, c2, c3, c4):
 @triton.jit
 def column_factor(G, r, R: tl.constexpr, diag):
     """``e^(r - G_j)`` on the columns row tile R sees through the GEMM, 0 elsewhere ([64, BK]): the tiles before
-    it, and its own when its diagonal block is in the GEMM (``diag``; else that block takes the safe path)."""
+    it, and its own when its diagonal block is in the GEMM (``diag``; else ``diagonal_blocks.py`` sums it)."""
     o_t = tl.arange(0, BT)
     if diag:
         seen = o_t < 16 * (R + 1)
@@ -135,165 +125,6 @@ def tile_reference(c_lo, c_hi, diag):
     else:
         r = c_lo
     return r
-
-
-@triton.jit
-def _tile_sum(x):
-    """[64, N]: the sum over each 16-row tile, repeated over that tile's rows."""
-    N: tl.constexpr = x.shape[1]
-    x3 = tl.sum(tl.reshape(x, (4, 16, N)), 1)
-    return tl.reshape(tl.broadcast_to(x3[:, None, :], (4, 16, N)), (64, N))
-
-
-@triton.jit
-def _tile_row(x, sel):
-    """[64, N]: the row of each 16-row tile that ``sel`` marks, repeated over that tile's rows."""
-    return _tile_sum(tl.where(sel, x, 0.0))
-
-
-@triton.jit
-def diagonal_scores(kk, qk, kt, qt, G, MMA: tl.constexpr):
-    """Add the four diagonal [16, 16] blocks of kk and qk ([64, 64]) where their tiles decay too far for one
-    reference each: by quarter tiles as GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's
-    four rows, else one column at a time (the safe path)."""
-    if _subtile_span(G, SUBTILE) <= DIAG_SPAN:
-        kk, qk = _subtile_scores(kk, qk, kt, qt, G, SUBTILE, MMA)
-    else:
-        kk, qk = _column_scores(kk, qk, kt, qt, G)
-    return kk, qk
-
-
-@triton.jit
-def _subtile_span(G, S: tl.constexpr):
-    """The largest decay (-log) of any channel from the first to the last row of any S-row sub-tile (a scalar)."""
-    X = tl.reshape(G, (64 // S, S, G.shape[1]))
-    pos = tl.arange(0, S)[None, :, None]
-    return tl.max(tl.sum(tl.where(pos == 0, X, tl.where(pos == S - 1, -X, 0.0)), 1))
-
-
-@triton.jit
-def _subtile_scores(kk, qk, kt, qt, G, S: tl.constexpr, MMA: tl.constexpr):
-    """The diagonal blocks by S-row sub-tiles: for sub-tile s of every tile, the columns of that sub-tile times the
-    rows from it on, split at the sub-tile's mid decay (``_subtile_factors``), as one M = 64 GEMM of which the
-    block-diagonal part is kept (the other blocks mix the tiles' references)."""
-    block = _diagonal_blocks()
-    for s in range(0, 16, S):
-        rows, cols = _subtile_factors(G, s, S)
-        col = tl.trans((kt * cols).to(MMA))
-        kk += tl.where(block, tl.dot((kt * rows).to(MMA), col), 0.0)
-        qk += tl.where(block, tl.dot((qt * rows).to(MMA), col), 0.0)
-    return kk, qk
-
-
-@triton.jit
-def _diagonal_blocks():
-    """[64, 64] mask of the four diagonal [16, 16] blocks: the pairs of rows in one tile."""
-    tile = tl.arange(0, BT) // 16
-    return tile[:, None] == tile[None, :]
-
-
-@triton.jit
-def _subtile_factors(G, s, S: tl.constexpr):
-    """Sub-tile s of every tile (rows s .. s + S - 1) split at its mid decay ``rho``: the row factors
-    ``e^(G_i - rho)`` of the rows from it on and the column factors ``e^(rho - G_j)`` of its own rows, 0 elsewhere
-    ([64, BK] each; both within e^(DIAG_SPAN / 2) on the sub-tile when ``_subtile_span`` is)."""
-    pos = tl.arange(0, BT) % 16
-    rho = 0.5 * _tile_sum(tl.where(((pos == s) | (pos == s + S - 1))[:, None], G, 0.0))
-    rows = tl.exp(tl.where((pos >= s)[:, None], G - rho, float("-inf")))
-    cols = tl.exp(tl.where(((pos >= s) & (pos < s + S))[:, None], rho - G, float("-inf")))
-    return rows, cols
-
-
-@triton.jit
-def _column_scores(kk, qk, kt, qt, G):
-    """The diagonal blocks one column of every block at a time, with the pairwise decay e^(G_i - G_j) <= 1 formed
-    directly: no decay is too steep for it."""
-    o_t = tl.arange(0, BT)
-    pos = o_t % 16
-    for jj in range(16):
-        sel = (pos == jj)[:, None]
-        e = tl.exp(tl.where((pos >= jj)[:, None], G - _tile_row(G, sel), float("-inf"))) * _tile_row(kt, sel)
-        col = o_t[None, :] == (o_t - pos + jj)[:, None]  # column 16 * tile(i) + jj of row i
-        kk += tl.where(col, tl.sum(kt * e, 1)[:, None], 0.0)
-        qk += tl.where(col, tl.sum(qt * e, 1)[:, None], 0.0)
-    return kk, qk
-
-
-@triton.jit
-def diagonal_grads(rl, rq, C, dG, dLb, dAqb, pm, pairs, k, Nb, tok, o_k, n_rows, kn, bk, qn, G, H: tl.constexpr,
-                   K: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr):
-    """The backward of ``diagonal_scores`` where the row tiles' GEMMs leave the diagonal blocks out: the blocks' row
-    sums ``rl_i = sum_j dL_ij kn_j e^(G_i - G_j)`` (``rq`` with dA_qk), column sums ``C_j = sum_i (dL_ij bk_i +
-    dA_ij qn_i) e^(G_i - G_j)`` (j < i in i's tile; the gate kernel adds the pairs i = j itself) and their decay
-    gradient ``bk rl + qn rq - kn C``, added to the accumulators rl, rq, C and dG ([64, BK] each). Like the forward,
-    by quarter tiles as GEMMs when no channel decays by more than ``DIAG_SPAN`` across any quarter's four rows
-    (``_subtile_grads``), else one column at a time (``_column_grads``). dL and dA_qk are read from dLb / dAqb
-    ([tokens, 64] in the operand dtype, ``pm`` their chunk's offsets, ``pairs`` the mask of its pairs j < i)."""
-    if _subtile_span(G, SUBTILE) <= DIAG_SPAN:
-        rl, rq, C, dG = _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, pairs, kn, bk, qn, G, SUBTILE, MMA, PREC)
-    else:
-        xl, xq, xc = _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H, K)
-        rl += xl
-        rq += xq
-        C += xc
-        dG += bk * xl + qn * xq - kn * xc
-    return rl, rq, C, dG
-
-
-@triton.jit
-def _subtile_grads(rl, rq, C, dG, dLb, dAqb, pm, pairs, kn, bk, qn, G, S: tl.constexpr, MMA: tl.constexpr,
-                   PREC: tl.constexpr):
-    """``diagonal_grads`` by S-row sub-tiles, the backward of ``_subtile_scores`` (``_subtile_factors`` split each);
-    dL and dA_qk are loaded with their off-diagonal blocks zeroed (the GEMMs would mix the tiles' references).
-    Operands are rounded as the MMA reads them (``as_mma_reads``), as in ``_row_tile_grads``."""
-    block = _diagonal_blocks()
-    dl = tl.load(dLb + pm, mask=pairs & block, other=0.0).to(MMA)
-    da = tl.load(dAqb + pm, mask=pairs & block, other=0.0).to(MMA)
-    dlt, dat = tl.trans(dl), tl.trans(da)
-    for s in range(0, 16, S):
-        f, cf = _subtile_factors(G, s, S)
-        kc = as_mma_reads(kn * cf, MMA, PREC)
-        pb = as_mma_reads(bk * f, MMA, PREC)
-        pq = as_mma_reads(qn * f, MMA, PREC)
-        col = kc.to(MMA)
-        xl = tl.dot(dl, col, input_precision=PREC)
-        xq = tl.dot(da, col, input_precision=PREC)
-        xc = tl.dot(dlt, pb.to(MMA), tl.dot(dat, pq.to(MMA), input_precision=PREC), input_precision=PREC)
-        rl += f * xl
-        rq += f * xq
-        C += cf * xc
-        dG += pb * xl + pq * xq - kc * xc
-    return rl, rq, C, dG
-
-
-@triton.jit
-def _column_grads(dLb, dAqb, k, Nb, tok, o_k, n_rows, bk, qn, G, H: tl.constexpr, K: tl.constexpr):
-    """``diagonal_grads`` one column of every block at a time, with the pairwise decay formed directly, for the pairs
-    j < i (the gate kernel adds i = j apart). dL_ij, dA_ij and kn_j (k times its row's inverse norm in Nb) are
-    loaded again per column, L1 hits, rather than gathered from registers across the threads (``tok``: the rows'
-    token-head indices, ``o_k`` the slice's channels, the first ``n_rows`` rows in the sequence): on the H200 the
-    softplus forward + backward at 16 x 4096 x 16 takes 29.5 ms so, 47.0 with gathers. ``_column_scores`` gathers:
-    loading is slower there (forward 8.5 against 7.9 ms)."""
-    o_t = tl.arange(0, BT)
-    pos = o_t % 16
-    rl = tl.zeros_like(bk)
-    rq = tl.zeros_like(bk)
-    C = tl.zeros_like(bk)
-    m_r = o_t < n_rows
-    for jj in range(16):
-        sel = (pos == jj)[:, None]
-        e = tl.exp(tl.where((pos > jj)[:, None], G - _tile_row(G, sel), float("-inf")))
-        j = o_t - pos + jj  # column 16 * tile(i) + jj of row i
-        pl = tl.load(dLb + tok * BT + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
-        pq = tl.load(dAqb + tok * BT + j, mask=m_r, other=0.0).to(tl.float32)[:, None]
-        tj = tok + (j - o_t) * H  # row j's token-head index
-        mj = j < n_rows
-        kj = tl.load(k + tj[:, None] * K + o_k[None, :], mask=mj[:, None], other=0.0).to(tl.float32) * \
-            tl.load(Nb + 2 * tj, mask=mj, other=0.0)[:, None]
-        rl += pl * e * kj
-        rq += pq * e * kj
-        C += tl.where(sel, _tile_sum((pl * bk + pq * qn) * e), 0.0)
-    return rl, rq, C
 
 
 @triton.jit

@@ -1,13 +1,12 @@
-"""Which chunks a gate decays too steeply for the row-tile GEMMs alone, so that they run apart.
+"""Which chunks a gate decays too steeply for the mid-tile references, so that they run apart.
 
 Under a gate bounded within the safe range every 16-token tile's diagonal block is in the row tiles' GEMMs
-(``chunk_tiles.py``) and the chunk and gate-gradient kernels are compiled without any fallback. Under any other gate
-(Kimi Linear's softplus) most chunks are just as mild, but a kernel that may meet a steep one carries the fallback
-paths (quarter tiles, column by column) and checks every K slice: more registers and a shallower pipeline for every
-chunk. So ``steep_chunk_flags`` first marks, per (chunk, head), whether any channel decays by more than
-``DIAG_SPAN`` across any of its tiles (the check ``tile_references`` makes per slice); then each of those kernels runs
-twice, once compiled GEMM-only over the unmarked chunks (``GEMM_CHUNKS``) and once with its fallbacks over the marked
-ones (``STEEP_CHUNKS``). A program whose chunk belongs to the other launch returns at once.
+(``chunk_tiles.py``), and the chunk and gate-gradient kernels run once over every chunk. Under any other gate (Kimi
+Linear's softplus) most chunks are just as mild, but some have a channel decaying by more than ``DIAG_SPAN`` across
+one of their tiles. ``steep_chunk_flags`` marks those per (chunk, head); then each of those kernels runs twice, once
+over the unmarked chunks with mid-tile references (``GEMM_CHUNKS``) and once over the marked ones (``STEEP_CHUNKS``),
+which sum the tiles' own blocks apart where they must (``diagonal_blocks.py``). A program whose chunk belongs to
+another launch returns at once.
 """
 
 import torch
@@ -16,8 +15,8 @@ from ..backend import tl, triton
 from .chunk_tiles import DIAG_SPAN, chunk_coords, chunk_decay, chunk_offsets64, fast_diag, tile_ends, tile_spans
 
 EVERY_CHUNK = tl.constexpr(0)  # one launch takes every chunk (a gate bounded within the safe range, or no scores pass)
-GEMM_CHUNKS = tl.constexpr(1)  # the chunks whose tiles all stay within DIAG_SPAN: compiled GEMM-only
-STEEP_CHUNKS = tl.constexpr(2)  # the others: compiled with the fallbacks, each K slice checked
+GEMM_CHUNKS = tl.constexpr(1)  # the chunks whose tiles all stay within DIAG_SPAN: mid-tile references
+STEEP_CHUNKS = tl.constexpr(2)  # the others: the diagonal blocks apart where they must (diagonal_blocks.py)
 
 
 @triton.jit
@@ -63,9 +62,8 @@ def steep_chunk_flags(call) -> torch.Tensor:
 
 def chunk_launches(call) -> list[tuple[int, bool, torch.Tensor | None]]:
     """The launches of a kernel with a scores pass over ``call``'s chunks: ``(CHUNKS, FAST_DIAG, steep flags)`` each
-    (the flags: ``call.steep``, computed once per call).
-    One GEMM-only launch under a gate bounded within the safe range; else the mild chunks GEMM-only and the steep
-    ones with the fallbacks."""
+    (the flags: ``call.steep``, computed once per call). One launch with every diagonal block in the GEMMs under a
+    gate bounded within the safe range; else the mild chunks so and the steep ones with their blocks apart."""
     if fast_diag(call.gate_lower_bound):
         return [(EVERY_CHUNK.value, True, None)]
     return [(GEMM_CHUNKS.value, True, call.steep), (STEEP_CHUNKS.value, False, call.steep)]
