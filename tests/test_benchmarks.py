@@ -106,9 +106,9 @@ def test_kda_benchmark_decode_tables_time_the_fused_layer_step(tmp_path, monkeyp
 
 def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     """The interpreter accepts code the compiler rejects: compile every KDA kernel (chunked with its steep-chunk
-    pre-pass, decode, fused layer decode), the MLA and MoE decode kernels, the projection kernel, the top-k router, the AttnRes mix, the grouped experts'
-    weighted activation and the mxfp4 grouped GEMM for sm_90 (no GPU needed) through benchmarks/compile_report.py, in
-    a process without the interpreter."""
+    pre-pass and diagonal-block pass, decode, fused layer decode), the MLA and MoE decode kernels, the projection
+    kernel, the top-k router, the AttnRes mix, the grouped experts' weighted activation and the mxfp4 grouped GEMM for
+    sm_90 (no GPU needed) through benchmarks/compile_report.py, in a process without the interpreter."""
     import subprocess
 
     from triton.runtime import driver
@@ -122,7 +122,7 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines()[1:] if "#" in line]
     kernels = {row[0].split("#")[0] for row in rows}
-    assert kernels == {"_steep_chunks_kernel", "_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel", "_wy_grads_kernel",
+    assert kernels == {"_steep_chunks_kernel", "_diagonal_scores_kernel", "_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel", "_wy_grads_kernel",
                        "_gate_grads_kernel", "_decode_kernel", "_fused_decode_kernel", "_mla_split_kernel",
                        "_mla_combine_kernel", "_moe_up_kernel", "_moe_down_kernel", "_projections_kernel",
                        "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel",
