@@ -133,6 +133,7 @@ def main(out: str, batch: int = 1, prompt: int = 2048, new_tokens: int = 48) -> 
     with tempfile.TemporaryDirectory() as folder:
         _, model = model_bench.build_models(config, folder)
     model = model.to(generate_bench.DTYPE)
+    model.generation_config.decode_steps_per_graph = None  # transformers' loop, one compiled step per token
     input_ids = torch.randint(3, config.vocab_size, (batch, prompt), device=dev,
                               generator=torch.Generator(dev).manual_seed(0))
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,

@@ -11,7 +11,9 @@ transformers' deferred stopping check drops its extra steps. The tokens are thos
 same compiled forward, the same masks and position ids. The model keeps the decoder (graph, state and cache) for the
 next generate() call of the same batch size.
 
-Without a GPU the blocks run step by step (no graph), which checks the loop's logic anywhere.
+On a GPU greedy decoding on a compiled static cache takes blocks of `DECODE_STEPS_PER_GRAPH` steps unless
+`generation_config.decode_steps_per_graph` says otherwise (`decode_steps_per_graph`). Without a GPU the blocks run
+step by step (no graph) when asked for, which checks the loop's logic anywhere.
 """
 
 import torch
@@ -22,6 +24,24 @@ from ..compat import CACHE_NAME
 # steps run before the capture: the first compiles the step, the second shows that it needs no recompilation (a
 # compilation inside the capture would fail)
 WARM_UP_STEPS = 2
+# steps per block on a GPU where `generation_config.decode_steps_per_graph` is unset (on an H100, anchor config, 2K
+# prompts: 0.70 ms a step at batch 1 and 1.67 ms at batch 32, against 1.81 and 2.66 ms step by step)
+DECODE_STEPS_PER_GRAPH = 16
+
+
+def decode_steps_per_graph(generation_config, device: torch.device) -> int | None:
+    """How many greedy steps one block takes: `generation_config.decode_steps_per_graph` where set (None: transformers'
+    step-by-step loop); unset, `DECODE_STEPS_PER_GRAPH` on a GPU, where a block is one CUDA-graph replay, and None
+    elsewhere. Anything but a positive int or None raises."""
+    if not hasattr(generation_config, "decode_steps_per_graph"):
+        return DECODE_STEPS_PER_GRAPH if device.type == "cuda" else None
+    steps = generation_config.decode_steps_per_graph
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(
+            f"generation_config.decode_steps_per_graph must be a positive number of decode steps (or None for "
+            f"transformers' step-by-step loop), got {steps!r}."
+        )
+    return steps
 
 
 class DecodeState:

@@ -69,7 +69,7 @@ from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
 from .conversion import checkpoint_layout, layout_config_dict, layout_conversions
-from .graphed_decoding import greedy_decoding, uncaptured_compile_call
+from .graphed_decoding import decode_steps_per_graph, greedy_decoding, uncaptured_compile_call
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1493,13 +1493,13 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         in CUDA-graph blocks (`decode_steps_per_graph`, see `_sample`) one a block longer, so that a block may run past
         the last token, or the cache of the model's `GraphedDecoder` again, reset, so that its graph is replayed."""
         uses_cache = model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False
-        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", None)
+        steps_per_graph = decode_steps_per_graph(generation_config, self.device)
         if uses_cache and generation_config.cache_implementation in (None, "dynamic"):
             model_kwargs[CACHE_NAME] = KdaMoeCache(self.config)
         elif (
             uses_cache
             and generation_config.cache_implementation == "static"
-            and isinstance(steps_per_graph, int)
+            and steps_per_graph is not None
             and generation_mode == GenerationMode.GREEDY_SEARCH
             and not generation_config.return_dict_in_generate  # a returned cache is never handed out again
             and self.on_one_device()
@@ -2083,18 +2083,11 @@ class KdaMoeForCausalLM(KdaMoePreTrainedModel, GenerationMixin):
         self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None,
         **model_kwargs,
     ):  # fmt: skip
-        """transformers' decoding loop, except for greedy decoding on a static cache that generate() compiles when
-        `generation_config.decode_steps_per_graph` is set (e.g. 16; unset or None: transformers' loop): that runs in
-        blocks of so many steps, each block one CUDA-graph replay on a GPU (`graphed_decoding.py`): the same tokens,
-        without the host work transformers' loop does around every step."""
-        steps_per_graph = getattr(generation_config, "decode_steps_per_graph", None)
-        if steps_per_graph is not None and (
-            isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int) or steps_per_graph < 1
-        ):
-            raise ValueError(
-                f"generation_config.decode_steps_per_graph must be a positive number of decode steps (or None for "
-                f"transformers' step-by-step loop), got {steps_per_graph!r}."
-            )
+        """transformers' decoding loop, except for greedy decoding on a static cache that generate() compiles: that
+        runs in blocks of `generation_config.decode_steps_per_graph` steps (unset: 16 on a GPU, transformers' loop
+        elsewhere; None: transformers' loop), each block one CUDA-graph replay on a GPU (`graphed_decoding.py`): the
+        same tokens, without the host work transformers' loop does around every step."""
+        steps_per_graph = decode_steps_per_graph(generation_config, self.device)
         implementation = self.config._attn_implementation
         has_mla = "full_attention" in self.config.layer_types
         cache = model_kwargs.get(CACHE_NAME)

@@ -103,7 +103,7 @@ def test_batch_of_one_graphed_greedy_gives_the_step_by_step_tokens(model):
 )
 def test_other_decoding_keeps_transformers_loop(model, options, monkeypatch):
     """Sampling, logits processors and a returned cache (which would hold the steps run past the end) go through
-    transformers' loop, as does `decode_steps_per_graph` None or unset (the default)."""
+    transformers' loop, as does `decode_steps_per_graph` None, or unset off a GPU."""
     input_ids, attention_mask = prompts(2)
     options = dict(options)  # the parameter is shared by both models
     steps = options.pop("decode_steps_per_graph", 4)
@@ -114,6 +114,22 @@ def test_other_decoding_keeps_transformers_loop(model, options, monkeypatch):
     calls = count_graphed_calls(monkeypatch)
     graphed_generate(model, input_ids, attention_mask, eos_token_id=None, **options)
     assert calls == []
+
+
+def test_unset_block_length_is_sixteen_steps_on_a_gpu_only():
+    """Unset, `decode_steps_per_graph` is `DECODE_STEPS_PER_GRAPH` (16) on a CUDA device and transformers' loop on
+    others; set, it is what it says on every device."""
+    from transformers import GenerationConfig
+
+    from kda_moe.modeling.graphed_decoding import DECODE_STEPS_PER_GRAPH, decode_steps_per_graph
+
+    unset, cuda, cpu = GenerationConfig(), torch.device("cuda", 0), torch.device("cpu")
+    assert not hasattr(unset, "decode_steps_per_graph")
+    assert decode_steps_per_graph(unset, cuda) == DECODE_STEPS_PER_GRAPH == 16
+    assert decode_steps_per_graph(unset, cpu) is None
+    for steps in (None, 4):
+        config = GenerationConfig(decode_steps_per_graph=steps)
+        assert decode_steps_per_graph(config, cuda) == decode_steps_per_graph(config, cpu) == steps
 
 
 @pytest.mark.parametrize("steps", [0, True, "4"])
