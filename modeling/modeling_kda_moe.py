@@ -1038,7 +1038,7 @@ class KdaMoeRouter(nn.Module):
         self.backend = config.kernel_backend
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
-        self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward, for logging
+        self.last_indices: torch.Tensor | None = None  # the experts the last forward chose [N, k], for `last_load`
         self._pending_bias: torch.Tensor | None = None
         self.bias_update = config.router_bias_update
         self._accumulated_bias: torch.Tensor | None = None  # "optimizer_step": the sum of the micro-batches' biases
@@ -1060,10 +1060,16 @@ class KdaMoeRouter(nn.Module):
             scale=self.routed_scaling_factor,
             backend=self.backend if kernel_routes else "torch",
         )
-        self.last_load = expert_loads(topk_indices, self.num_experts)
+        self.last_indices = topk_indices
         if self.balancing != "none" and self.training and torch.is_grad_enabled():
             self._stage_bias_update(router_logits.detach().sigmoid(), router_logits)
         return router_logits, topk_weights, topk_indices
+
+    @property
+    def last_load(self) -> torch.Tensor | None:
+        """Tokens per expert in the last forward ([E] int64; None before any), counted when asked: a decoding step
+        keeps its chosen experts, not three more kernels a sparse layer."""
+        return None if self.last_indices is None else expert_loads(self.last_indices, self.num_experts)
 
     @torch.no_grad()
     def _stage_bias_update(self, scores: torch.Tensor, router_logits: torch.Tensor) -> None:
@@ -1694,7 +1700,7 @@ class KdaMoePreTrainedModel(PreTrainedModel):
         return {
             name.removesuffix(".gate"): module.load_statistics()
             for name, module in self.named_modules()
-            if isinstance(module, KdaMoeRouter) and module.last_load is not None
+            if isinstance(module, KdaMoeRouter) and module.last_indices is not None
         }
 
 
