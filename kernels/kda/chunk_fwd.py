@@ -34,8 +34,9 @@ from functools import cached_property
 import torch
 
 from ..backend import tl, triton
-from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, fast_diag, inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks,
-                          scan_start, tile_ends, tile_references, unit_lower_inverse)
+from .chunk_tiles import (BT, chunk_coords, chunk_decay, chunk_end, chunk_offsets64, column_factor, fast_diag,
+                          inverse_norm, inverse_row_norms, load_row_norms, lower_block_matrix, lower_blocks, scan_start,
+                          tile_ends, tile_references, unit_lower_inverse)
 from .diagonal_blocks import diagonal_block, diagonal_scores
 from .steep_chunks import EVERY_CHUNK, chunk_launches, steep_chunk_flags, takes_chunk
 

@@ -56,8 +56,9 @@ def as_mma_reads(y, MMA: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def chunk_decay(g, dt_bias, a, lb, pk, mk, i_h, o_k, K: tl.constexpr, BOUNDED: tl.constexpr):
-    """One chunk's decay over channels o_k: gate logits z = g + dt_bias and the inclusive decay cumsum G
-    ([64, BK] each); rows past the sequence end decay by 0."""
+    """The decay over channels o_k of the rows at offsets pk (a chunk's, or one 16-row tile's): gate logits
+    z = g + dt_bias and the inclusive decay cumsum G over those rows ([rows, BK] each); masked rows (past the
+    sequence end) decay by 0."""
     z = tl.load(g + pk, mask=mk, other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k).to(tl.float32)[None, :]
     return z, tl.cumsum(tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0), 0)
 

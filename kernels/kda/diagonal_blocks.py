@@ -20,7 +20,7 @@ no one reference splits the tile's pairwise decay ``e^(G_i - G_j)`` into two fac
 import torch
 
 from ..backend import tl, triton
-from .chunk_tiles import BT, DIAG_SPAN, as_mma_reads, chunk_coords, gate, tile_spans
+from .chunk_tiles import BT, DIAG_SPAN, as_mma_reads, chunk_coords, chunk_decay, gate, tile_spans
 from .steep_chunks import STEEP_CHUNKS, takes_chunk
 
 DIAGONAL_WARPS = 4  # warps of the forward's pass
@@ -41,13 +41,6 @@ def _row_gate(g, dtb, a, lb, ti, mi, o_k, K: tl.constexpr, BOUNDED: tl.constexpr
     sequence end), ``dtb`` the head's dt_bias."""
     z = tl.load(g + ti * K + o_k, mask=mi, other=0.0).to(tl.float32) + dtb
     return tl.where(mi, gate(z, 0.0, a, lb, BOUNDED), 0.0)
-
-
-@triton.jit
-def _tile_decay(g, dtb, a, lb, pk, mk, BOUNDED: tl.constexpr):
-    """A tile's decay cumsum ``Gt`` restarted at its first row ([16, K]; rows past the sequence end decay by 0)."""
-    z = tl.load(g + pk, mask=mk, other=0.0).to(tl.float32) + dtb[None, :]
-    return tl.cumsum(tl.where(mk, gate(z, 0.0, a, lb, BOUNDED), 0.0), 0)
 
 
 @triton.jit
@@ -75,7 +68,7 @@ def _diagonal_scores_kernel(q, k, g, A_log, dt_bias, D, cu_seqlens, chunk_indice
             tok, m_r, first = _tile_rows(bos, t0, L, R, i_h, H)
             pk = tok[:, None] * K + o_k[None, :]
             kt = tl.load(k + pk, mask=m_r[:, None], other=0.0).to(tl.float32)
-            Gt = _tile_decay(g, dtb, a, lb, pk, m_r[:, None], BOUNDED)
+            _, Gt = chunk_decay(g, dt_bias, a, lb, pk, m_r[:, None], i_h, o_k, K, BOUNDED)  # restarted at the tile
             Gi = tl.zeros((K,), dtype=tl.float32)
             for i in range(16):
                 ti = ((first + i) * H + i_h).to(tl.int64)
