@@ -10,7 +10,8 @@ and the fused expert weights as stored, ``gate_up_proj [E, 2I, l]`` and ``down_p
    other rows masked off) and stores the gated activation per (token, choice). Programs of the other slots exit.
 2. down: the same ownership over (choice slot, block of l channels); the owner multiplies its expert's ``down_proj``
    rows with the activations of the tokens that chose it and stores each (token, choice)'s weighted row in fp32.
-3. the k rows of each token are summed in fp32 and rounded to the input dtype.
+3. sum: a program per (token, block of l channels) adds the token's k rows in fp32, in choice order, and rounds the
+   sum to the input dtype.
 
 No host reads, no data-dependent shapes (the grids depend on N, k, I and l only), so torch.compile traces the custom
 op and a CUDA graph replays it. Bytes read per call: the distinct chosen experts' ``3 * I * l`` weights, once each,
@@ -26,6 +27,8 @@ import torch
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from .activation import gated_activation
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
+
+SUM_BLOCK = 256  # output channels per program of the sum over choices (two fp32 a thread at 4 warps)
 
 
 @dataclass(frozen=True)
@@ -125,10 +128,21 @@ def _moe_down_kernel(act, top_k_index, top_k_weights, down, out, N, E, K: tl.con
         tl.store(out + slot * L + o_o, tl.zeros((BO,), dtype=tl.float32), mask=m_o)
 
 
+@triton.jit
+def _moe_sum_kernel(out, y, K: tl.constexpr, L: tl.constexpr, BO: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    o_o = tl.program_id(1) * BO + tl.arange(0, BO)
+    m_o = o_o < L
+    acc = tl.zeros((BO,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(out + (token * K + j) * L + o_o, mask=m_o, other=0.0)
+    tl.store(y + token * L + o_o, acc.to(y.dtype.element_ty), mask=m_o)
+
+
 def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap, up_cap,
                       launch: MoeDecodeLaunch):
-    """The two kernels and the sum over choices on contiguous inputs (shapes as in ``moe_decode_triton``); returns
-    ``[N, l]`` in hidden_states' dtype."""
+    """The three kernels on contiguous inputs (shapes as in ``moe_decode_triton``); returns ``[N, l]`` in
+    hidden_states' dtype."""
     N, K = top_k_index.shape
     E, L, I = down_proj.shape
     act = hidden_states.new_empty(N * K, I)  # per (token, choice): the gated activation, in the input dtype
@@ -141,7 +155,9 @@ def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, d
     _moe_down_kernel[(N * K, triton.cdiv(L, launch.block_out))](
         act, top_k_index, top_k_weights, down_proj, out, N, E, BO=launch.block_out, BK=launch.block_k,
         num_warps=launch.warps, **shape)
-    return out.sum(1).to(hidden_states.dtype)
+    y = torch.empty_like(hidden_states)
+    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, K=K, L=L, BO=SUM_BLOCK, num_warps=4)
+    return y
 
 
 def _decode(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -160,7 +176,7 @@ def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, 
 
 
 def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, kind, gate_cap, up_cap):
-    """The routed experts of at most ``MAX_DECODE_TOKENS`` tokens in two launches and a sum. hidden_states ``[N, l]``;
+    """The routed experts of at most ``MAX_DECODE_TOKENS`` tokens in three launches. hidden_states ``[N, l]``;
     top_k_index (expert ids) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]`` and down_proj ``[E, l, I]``
     (contiguous, hidden_states' dtype, read in place); the activation ``kind`` ("silu" | "situ") with its caps.
     Returns ``[N, l]`` in hidden_states' dtype. Decoding only: no backward."""
