@@ -138,10 +138,12 @@ def compile_projections(dtype):
 
 
 def compile_routing():
-    """The top-k router kernel for K3's 384 experts, top-8, at 1 and 64 tokens."""
+    """The router's logits from bf16 states of K3's width 7168 and its top-k kernel for K3's 384 experts, top-8, at 1
+    and 64 tokens."""
     from kda_moe.kernels.moe import routing
 
     for tokens in (1, 64):
+        routing._router_logits(torch.zeros(tokens, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168))
         routing._sigmoid_top_k(torch.zeros(tokens, 384), torch.zeros(384), 8, True, 1.0)
 
 

@@ -64,7 +64,7 @@ from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
 from ..kernels.moe import (Mxfp4Weight, dequantize_mxfp4, expert_loads, fits_decode_kernel, gated_activation,
-                           grouped_experts, moe_decode, mxfp4_row_bytes, top_k_routing)
+                           grouped_experts, moe_decode, mxfp4_row_bytes, router_logits, top_k_routing)
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -1047,11 +1047,11 @@ class KdaMoeRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states [N, d] -> (router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_indices [N, k])."""
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        logits = router_logits(hidden_states, self.weight, backend=self.backend)
         # the Triton kernel has no backward and no expert groups: training and grouped routing take the reference
-        kernel_routes = self.n_group == 1 and not router_logits.requires_grad
+        kernel_routes = self.n_group == 1 and not logits.requires_grad
         topk_weights, topk_indices = top_k_routing(
-            router_logits,
+            logits,
             self.e_score_correction_bias,
             self.top_k,
             n_group=self.n_group,
@@ -1062,8 +1062,8 @@ class KdaMoeRouter(nn.Module):
         )
         self.last_indices = topk_indices
         if self.balancing != "none" and self.training and torch.is_grad_enabled():
-            self._stage_bias_update(router_logits.detach().sigmoid(), router_logits)
-        return router_logits, topk_weights, topk_indices
+            self._stage_bias_update(logits.detach().sigmoid(), logits)
+        return logits, topk_weights, topk_indices
 
     @property
     def last_load(self) -> torch.Tensor | None:

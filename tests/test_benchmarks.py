@@ -125,7 +125,7 @@ def test_every_kda_kernel_compiles_for_an_h200_and_fits_its_shared_memory():
     assert kernels == {"_steep_chunks_kernel", "_diagonal_scores_kernel", "_chunk_kernel", "_scan_kernel", "_scan_bwd_kernel", "_state_grads_kernel", "_wy_grads_kernel",
                        "_gate_grads_kernel", "_decode_kernel", "_fused_decode_kernel", "_mla_split_kernel",
                        "_mla_combine_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_sum_kernel", "_projections_kernel",
-                       "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel",
+                       "_router_logits_kernel", "_sigmoid_top_k_kernel", "_attn_res_fwd_kernel", "_attn_res_bwd_kernel",
                        "_weighted_glu_fwd_kernel", "_weighted_glu_bwd_kernel", "_mxfp4_grouped_mm_kernel"}, out.stdout
     for name, warps, regs, stack, shared in rows:
         assert int(shared) <= 227 * 1024, (name, shared)  # the most shared memory one H100 / H200 block can have

@@ -1,9 +1,9 @@
-"""The top-k router kernel (sigmoid scores, the bias-steered choice of k experts, their renormalised weights) against
-the PyTorch reference, and the model's routing through it.
+"""The router's kernels against the PyTorch reference: the logits of a few tokens, the top-k choice (sigmoid scores,
+the bias-steered choice of k experts, their renormalised weights); and the model's routing through them.
 
 Without CUDA the kernel runs in the Triton interpreter (``TRITON_INTERPRET=1``, set by conftest.py); on a GPU the same
 tests run compiled. Weights: fp32 sigmoid, sum and division in both, a GPU's approximate exp gives a few fp32 ulps,
-hence 1e-6 relative.
+hence 1e-6 relative. Logits: fp32 products and sums in both, summed in another order, hence 1e-5 of their scale.
 """
 
 import os
@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from conftest import tiny_model  # noqa: E402
 
-from kda_moe.kernels.moe import routing, sigmoid_top_k, top_k_routing  # noqa: E402
+from kda_moe.kernels.moe import MAX_DECODE_TOKENS, router_logits, routing, sigmoid_top_k, top_k_routing  # noqa: E402
 
 dev = "cpu" if INTERPRETED else "cuda"
 
@@ -26,6 +26,34 @@ dev = "cpu" if INTERPRETED else "cuda"
 def logits_and_bias(N, E, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(N, E, generator=gen) * 3).to(dev), (torch.randn(E, generator=gen) * 0.5).to(dev)
+
+
+@pytest.mark.parametrize("N,E,D", [(1, 64, 96), (5, 40, 200), (MAX_DECODE_TOKENS, 17, 64)], ids=["one", "ragged", "most"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_logits_kernel_is_the_fp32_product_of_the_states_and_the_weight(N, E, D, dtype):
+    """bf16 states are widened exactly, so both sides multiply the same fp32 numbers; expert and width counts that are
+    no multiple of the kernel's blocks are masked."""
+    gen = torch.Generator().manual_seed(N)
+    hidden = torch.randn(N, D, generator=gen).to(dev, dtype)
+    weight = torch.randn(E, D, generator=gen).to(dev)
+    logits = router_logits(hidden, weight, backend="triton")
+    expected = hidden.double() @ weight.double().T
+    assert logits.dtype == torch.float32 and logits.shape == (N, E)
+    assert torch.allclose(logits.double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+def test_logits_kernel_refuses_many_tokens_and_gradients_and_auto_takes_the_reference():
+    hidden, weight = torch.randn(MAX_DECODE_TOKENS + 1, 32, device=dev), torch.randn(8, 32, device=dev)
+    with pytest.raises(ValueError, match=f"N <= {MAX_DECODE_TOKENS}"):
+        router_logits(hidden, weight, backend="triton")
+    weight.requires_grad_()
+    with pytest.raises(ValueError, match="no backward"):
+        router_logits(hidden[:2], weight, backend="triton")
+    for tokens in (hidden, hidden[:2]):  # too many tokens; gradients: F.linear, whose gradient reaches the weight
+        logits = router_logits(tokens, weight, backend="auto")
+        assert torch.equal(logits, torch.nn.functional.linear(tokens, weight))
+    logits.sum().backward()
+    assert weight.grad is not None
 
 
 @pytest.mark.parametrize("N,E,k", [(1, 8, 2), (5, 64, 8), (3, 384, 8), (2, 6, 6)], ids=["tiny", "anchor", "k3", "all"])

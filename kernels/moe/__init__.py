@@ -3,6 +3,7 @@ many (training, prefill), the gated activation the experts share with the dense 
 experts' weights stored mxfp4."""
 
 import torch
+import torch.nn.functional as F
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
 from .limits import KERNEL_DTYPES, MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
@@ -13,7 +14,7 @@ if TRITON_AVAILABLE:
     from .decode import moe_decode_triton
     from .grouped import grouped_experts_triton
     from .mxfp4 import mxfp4_grouped_mm_triton
-    from .routing import sigmoid_top_k_triton
+    from .routing import router_logits_triton, sigmoid_top_k_triton
 
 
 def _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
@@ -103,6 +104,18 @@ def grouped_experts(
     return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
 
 
+def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """A router's fp32 logits ``[N, E]``: hidden_states ``[N, d]`` times weight ``[E, d]``, both taken in fp32. One
+    Triton kernel for at most ``MAX_DECODE_TOKENS`` tokens (a decoding step) without autograd; ``"auto"`` gives more
+    tokens, or a call that needs gradients, ``F.linear`` on the widened tensors."""
+    needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+    supported = (hidden_states.dim() == 2 and hidden_states.shape[0] <= MAX_DECODE_TOKENS
+                 and hidden_states.dtype in KERNEL_DTYPES and not needs_grad)
+    if resolve_backend(backend, hidden_states, weight, supported=supported) == "triton":
+        return router_logits_triton(hidden_states, weight)
+    return F.linear(hidden_states.float(), weight.float())
+
+
 def top_k_routing(
     router_logits: torch.Tensor,
     bias: torch.Tensor,
@@ -190,6 +203,7 @@ __all__ = [
     "mxfp4_grouped_mm_reference",
     "mxfp4_row_bytes",
     "routed_experts",
+    "router_logits",
     "sigmoid_top_k",
     "top_k_routing",
 ]

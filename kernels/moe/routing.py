@@ -1,6 +1,10 @@
-"""A sigmoid router's top-k choice in one kernel: ``sigmoid_top_k_triton`` takes the router logits ``[N, E]`` (fp32)
-and the selection bias ``[E]`` and returns each token's k chosen experts, best first, with their mixing weights
-(``reference.sigmoid_top_k`` without expert groups).
+"""A sigmoid router in two kernels: ``router_logits_triton`` gives a few tokens' fp32 logits ``[N, E]`` from their
+hidden states ``[N, d]`` (any float dtype, widened in registers) and the router weight ``[E, d]``;
+``sigmoid_top_k_triton`` takes logits and the selection bias ``[E]`` and returns each token's k chosen experts, best
+first, with their mixing weights (``reference.sigmoid_top_k`` without expert groups).
+
+The logits kernel runs a program per block of experts over all the tokens (the rows of its tiles), with full fp32
+products: at a decoding step it replaces the widening copy and cuBLAS's two-kernel fp32 GEMV.
 
 One program per token holds its E scores in registers and picks the k best by k rounds of max-and-remove (the lowest
 id among equal scores), then gathers, renormalises and scales the unbiased scores of the chosen. Torch needs a
@@ -12,7 +16,61 @@ replays it.
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
-from .limits import MAX_ROUTED_EXPERTS
+from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS
+
+EXPERTS_PER_PROGRAM = 16  # router rows per program of the logits kernel (tl.dot's least N)
+
+
+@triton.jit
+def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr,
+                          BD: tl.constexpr):
+    o_t = tl.arange(0, ROWS)
+    o_e = tl.program_id(0) * BE + tl.arange(0, BE)
+    m_t = o_t < N
+    m_e = o_e < E
+    acc = tl.zeros((ROWS, BE), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
+        m_d = o_d < D
+        bx = tl.load(x + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.0)
+        bw = tl.load(w + o_e[:, None].to(tl.int64) * D + o_d[None, :], mask=m_e[:, None] & m_d[None, :], other=0.0)
+        acc = tl.dot(bx.to(tl.float32), tl.trans(bw.to(tl.float32)), acc, input_precision="ieee")
+    tl.store(logits + o_t[:, None] * E + o_e[None, :], acc, mask=m_t[:, None] & m_e[None, :])
+
+
+def _router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    (N, D), E = hidden_states.shape, weight.shape[0]
+    logits = torch.empty(N, E, device=hidden_states.device, dtype=torch.float32)
+    if N:
+        rows = max(16, triton.next_power_of_2(N))
+        block_d = min(128 if rows <= 16 else 64, max(16, triton.next_power_of_2(D)))  # [rows, BD] fp32 in registers
+        _router_logits_kernel[(triton.cdiv(E, EXPERTS_PER_PROGRAM),)](
+            hidden_states, weight, logits, N, E, D=D, ROWS=rows, BE=EXPERTS_PER_PROGRAM, BD=block_d, num_warps=4)
+    return logits
+
+
+router_logits_op = torch.library.custom_op("kda_moe::router_logits", _router_logits, mutates_args=())
+
+
+@router_logits_op.register_fake
+def _(hidden_states, weight):
+    return hidden_states.new_empty(hidden_states.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def router_logits_triton(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [N, E] of at most ``MAX_DECODE_TOKENS`` tokens' hidden states [N, d] (bf16, fp16 or fp32) under a
+    router weight [E, d] (any float dtype; both read in place when contiguous), in full fp32. Inference only."""
+    if hidden_states.dim() != 2 or weight.dim() != 2 or hidden_states.shape[1] != weight.shape[1] or (
+        hidden_states.shape[0] > MAX_DECODE_TOKENS
+    ):
+        raise ValueError(
+            f"the Triton router-logits kernel takes hidden states [N, d] with N <= {MAX_DECODE_TOKENS} and a weight "
+            f"[E, d]; got {tuple(hidden_states.shape)} and {tuple(weight.shape)}. Compute more tokens' logits with "
+            "F.linear(hidden_states.float(), weight.float()) (backend=\"torch\")."
+        )
+    refuse_autograd("the Triton router-logits kernel", [hidden_states, weight], "the PyTorch reference")
+    hidden_states, weight = hidden_states.contiguous(), weight.contiguous()
+    return op_for_call(router_logits_op, _router_logits)(hidden_states, weight)
 
 
 @triton.jit
