@@ -3,10 +3,11 @@ hidden states ``[N, d]`` (any float dtype, widened in registers) and the router 
 ``sigmoid_top_k_triton`` takes logits and the selection bias ``[E]`` and returns each token's k chosen experts, best
 first, with their mixing weights (``reference.sigmoid_top_k`` without expert groups).
 
-The logits kernel runs a program per block of experts over all the tokens (the rows of its tiles), with full fp32
-products: at a decoding step it replaces the widening copy and cuBLAS's two-kernel fp32 GEMV.
+The logits kernel runs a program per expert, which reads the expert's router row once and multiplies it with all the
+tokens' states (the rows of its tiles; they come from L2 after the first program), fp32 products summed in fp32: at a
+decoding step it replaces the widening copy and cuBLAS's two-kernel fp32 GEMV.
 
-One program per token holds its E scores in registers and picks the k best by k rounds of max-and-remove (the lowest
+The top-k kernel: one program per token holds its E scores in registers and picks the k best by k rounds of max-and-remove (the lowest
 id among equal scores), then gathers, renormalises and scales the unbiased scores of the chosen. Torch needs a
 sigmoid, a two-pass top-k with its sort, a gather and a sum for the same; at a decoding step each of those is a launch
 of a few microseconds per MoE layer. No host reads, fixed grid: torch.compile keeps the custom op and a CUDA graph
@@ -18,34 +19,28 @@ import torch
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS
 
-EXPERTS_PER_PROGRAM = 16  # router rows per program of the logits kernel (tl.dot's least N)
-
-
 @triton.jit
-def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr,
-                          BD: tl.constexpr):
+def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
+    expert = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, ROWS)
-    o_e = tl.program_id(0) * BE + tl.arange(0, BE)
     m_t = o_t < N
-    m_e = o_e < E
-    acc = tl.zeros((ROWS, BE), dtype=tl.float32)
+    acc = tl.zeros((ROWS,), dtype=tl.float32)
     for d0 in range(0, D, BD):
         o_d = d0 + tl.arange(0, BD)
         m_d = o_d < D
         bx = tl.load(x + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.0)
-        bw = tl.load(w + o_e[:, None].to(tl.int64) * D + o_d[None, :], mask=m_e[:, None] & m_d[None, :], other=0.0)
-        acc = tl.dot(bx.to(tl.float32), tl.trans(bw.to(tl.float32)), acc, input_precision="ieee")
-    tl.store(logits + o_t[:, None] * E + o_e[None, :], acc, mask=m_t[:, None] & m_e[None, :])
+        bw = tl.load(w + expert * D + o_d, mask=m_d, other=0.0)
+        acc += tl.sum(bx.to(tl.float32) * bw.to(tl.float32)[None, :], 1)
+    tl.store(logits + o_t * E + expert, acc, mask=m_t)
 
 
 def _router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (N, D), E = hidden_states.shape, weight.shape[0]
     logits = torch.empty(N, E, device=hidden_states.device, dtype=torch.float32)
     if N:
-        rows = max(16, triton.next_power_of_2(N))
-        block_d = min(128 if rows <= 16 else 64, max(16, triton.next_power_of_2(D)))  # [rows, BD] fp32 in registers
-        _router_logits_kernel[(triton.cdiv(E, EXPERTS_PER_PROGRAM),)](
-            hidden_states, weight, logits, N, E, D=D, ROWS=rows, BE=EXPERTS_PER_PROGRAM, BD=block_d, num_warps=4)
+        rows = triton.next_power_of_2(N)
+        block_d = min(1024, triton.next_power_of_2(D), max(64, 4096 // rows))  # [rows, BD] fp32: 32 a thread
+        _router_logits_kernel[(E,)](hidden_states, weight, logits, N, E, D=D, ROWS=rows, BD=block_d, num_warps=4)
     return logits
 
 
