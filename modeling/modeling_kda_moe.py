@@ -63,8 +63,8 @@ from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_att
 from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
-from ..kernels.moe import (Mxfp4Weight, dequantize_mxfp4, expert_loads, fits_decode_kernel, gated_activation,
-                           grouped_experts, moe_decode, mxfp4_row_bytes, router_logits, top_k_routing)
+from ..kernels.moe import (MAX_DECODE_TOKENS, Mxfp4Weight, dequantize_mxfp4, expert_loads, fits_decode_kernel,
+                           gated_activation, grouped_experts, moe_decode, mxfp4_row_bytes, router_logits, top_k_routing)
 from ..kernels.norm import gated_rms_norm
 from ..model_cards import write_model_card, write_pushed_model_card
 from ..remote_code import write_remote_code
@@ -1047,8 +1047,11 @@ class KdaMoeRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states [N, d] -> (router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_indices [N, k])."""
-        logits = router_logits(hidden_states, self.weight, backend=self.backend)
-        # the Triton kernel has no backward and no expert groups: training and grouped routing take the reference
+        # the Triton kernels have no backward, the logits kernel takes a decoding step's tokens and the top-k kernel no
+        # expert groups: training, prompts and grouped routing take the reference
+        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
+        kernel_logits = hidden_states.shape[0] <= MAX_DECODE_TOKENS and not needs_grad
+        logits = router_logits(hidden_states, self.weight, backend=self.backend if kernel_logits else "torch")
         kernel_routes = self.n_group == 1 and not logits.requires_grad
         topk_weights, topk_indices = top_k_routing(
             logits,
