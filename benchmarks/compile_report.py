@@ -92,9 +92,13 @@ def compile_all(dtype, forward_fields, backward_fields):
             recurrent.launch_decode(*step, A_log, dt_bias, state, lb, K ** -0.5, recurrent.decode_launch(K))
             qkv, gate = torch.randn(B, 3 * H * K, dtype=dtype), torch.randn(B, H * K, dtype=dtype)
             conv_weight, conv_state = torch.randn(3 * H * K, 4, dtype=dtype), torch.zeros(B, 3 * H * K, 3, dtype=dtype)
-            fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, step[3].flatten(1), step[4], A_log, dt_bias,
-                                             state, gate, torch.ones(K, dtype=dtype), 1e-5, lb, K ** -0.5,
-                                             fused_decode.fused_decode_launch(K, K))
+            # the decay gate's logits from their low-rank input and f_b's weight as in every config; the output gate's
+            # low-rank too as in Kimi Linear (softplus), full-rank as in K3 (bounded)
+            rank_input, up_weight = torch.randn(B, K, dtype=dtype), torch.randn(H * K, K, dtype=dtype)
+            gate, gate_weight = (gate, None) if lb is not None else (rank_input, up_weight)
+            fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, rank_input, up_weight, step[4], A_log,
+                                             dt_bias, state, gate, gate_weight, torch.ones(K, dtype=dtype), 1e-5, lb,
+                                             K ** -0.5, fused_decode.fused_decode_launch(K, K))
         compile_mla_decode(dtype)
         E, top_k, L, I = 64, 8, 1024, 512
         gate_up, down = torch.zeros(E, 2 * I, L, dtype=dtype), torch.zeros(E, L, I, dtype=dtype)

@@ -351,8 +351,8 @@ def layer_step_row(B, d, fla_step, copy_GBps):
     for name, fn in steps.items():
         d[f"step_{name}_ms"] = bench(no_grad(fn))
         d[f"step_{name}_graph_ms"] = bench(graphed(no_grad(fn)))
-    args = [x[n] for n in ("qkv", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "gate",
-                           "norm_weight")]
+    args = [x.get(n) for n in ("qkv", "conv_weight", "conv_state", "g", "g_weight", "beta", "A_log", "dt_bias", "state",
+                               "gate", "gate_weight", "norm_weight")]
     d["step_knob_ms"] = {str(launch): bench(lambda launch=launch: fused_decode.launch_fused_decode(
         *args, 1e-5, LB, DECODE_DIM ** -0.5, launch)) for launch in fused_knobs(DECODE_DIM)}
     d["step_torch_ms"] = bench(no_grad(lambda: kda_layer_decode_step(**x, eps=1e-5, gate_lower_bound=LB,

@@ -748,12 +748,26 @@ class KdaMoeDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
         if config.use_full_rank_gate:
             self.g_proj = nn.Linear(hidden, width, bias=False)
+            self.g_a_proj = self.g_b_proj = None
         else:
             self.g_proj = None
             self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
             self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
         self.o_norm = KdaMoeGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, backend=config.kernel_backend)
         self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    @staticmethod
+    def up_projection(
+        low_rank: torch.Tensor, up_proj: nn.Linear | None, defer: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`up_proj(low_rank)`, None), or with `defer` and a plain linear `up_proj` (`is_plain_linear`)
+        (`low_rank`, its weight) for the decode step to multiply; `up_proj` None: (`low_rank`, None) (a full-rank
+        gate's logits)."""
+        if up_proj is None:
+            return low_rank, None
+        if defer and is_plain_linear(up_proj):
+            return low_rank, up_proj.weight
+        return up_proj(low_rank), None
 
     def delta_rule_with_token_states(
         self, kda_inputs: tuple[torch.Tensor, ...], initial_state: torch.Tensor | None, recorded: int
@@ -809,11 +823,7 @@ class KdaMoeDeltaAttention(nn.Module):
             hidden_states, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, output_gate_proj,
             backend=self.backend,
         )
-        gate_logits = self.f_b_proj(gate_low_rank)
-        if self.g_proj is None:
-            output_gate = self.g_b_proj(output_gate)
         if attention_mask is not None:
-            gate_logits = gate_logits.masked_fill(pad, torch.finfo(gate_logits.dtype).min)
             beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
 
         conv_inputs = torch.cat([q_in, k_in, v_in], dim=-1)
@@ -834,9 +844,16 @@ class KdaMoeDeltaAttention(nn.Module):
         if sequence_shard is not None:
             conv_state = sequence_shard.conv_history(conv_inputs, conv_weight.shape[1])
         token_states = None
-        if conv_state is not None and seq_len == 1 and not recorded and not torch.is_grad_enabled():
-            # decoding (generate() runs without autograd): one token per sequence; the conv, the KDA step and the gated
-            # norm in one call (one kernel on Triton), both cached states updated in place
+        decoding = conv_state is not None and seq_len == 1 and not recorded and not torch.is_grad_enabled()
+        # a decoding step hands the gates' low-rank inputs with the plain up-projections' weights to its kernel, which
+        # multiplies them per head; the decay gate's only without a mask (whose padding fills its logits first)
+        gate_logits, gate_weight = self.up_projection(gate_low_rank, self.f_b_proj, decoding and attention_mask is None)
+        output_gate, output_gate_weight = self.up_projection(output_gate, self.g_b_proj, decoding)
+        if attention_mask is not None:
+            gate_logits = gate_logits.masked_fill(pad, torch.finfo(gate_logits.dtype).min)
+        if decoding:
+            # generate() runs without autograd: one token per sequence; the conv, the KDA step and the gated norm in
+            # one call (one kernel on Triton), both cached states updated in place
             output = kda_layer_decode_step(
                 conv_inputs[:, 0],
                 conv_weight,
@@ -849,6 +866,8 @@ class KdaMoeDeltaAttention(nn.Module):
                 output_gate[:, 0],
                 o_norm_weight,
                 self.o_norm.variance_epsilon,
+                g_weight=gate_weight,
+                gate_weight=output_gate_weight,
                 gate_lower_bound=self.gate_lower_bound,
                 backend=self.backend,
             )  # [B, H * V]

@@ -24,17 +24,26 @@ from kda_moe.kernels.kda import fused_decode  # noqa: E402
 
 dev = "cpu" if INTERPRETED else "cuda"
 GATES = pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+# the gates' logits given, or their low-rank inputs with the up-projections' weights (a rank of no power of two)
+RANKS = pytest.mark.parametrize("rank", [None, 24], ids=["logits", "low_rank"])
+LAUNCH_ARGS = ("qkv", "conv_weight", "conv_state", "g", "g_weight", "beta", "A_log", "dt_bias", "state", "gate",
+               "gate_weight", "norm_weight")  # launch_fused_decode's and the op's tensors, in order
 on_gpu = pytest.mark.skipif(INTERPRETED, reason="full size and CUDA graphs: on a GPU only")
 
 
-def step_inputs(B, H, K, V, dtype, W=4, seed=0):
+def step_inputs(B, H, K, V, dtype, W=4, seed=0, rank=None):
     """One decode step's inputs for B sequences of a layer with H heads: q | k | v before the conv, conv weight and
-    state, gate / beta / output gate logits and the norm weight in ``dtype``; A_log, dt_bias and the state in fp32."""
+    state, gate / beta / output gate logits and the norm weight in ``dtype``; A_log, dt_bias and the state in fp32.
+    With ``rank``, both gates come as low-rank inputs [B, rank] with their up-projections' weights (Kimi Linear's
+    f_b / g_b), scaled so that the logits are of order one."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     C = 2 * H * K + H * V
     x = dict(qkv=r(B, C), conv_weight=r(C, W) * 0.5, conv_state=r(B, C, W - 1), g=r(B, H * K), beta=r(B, H),
              gate=r(B, H * V), norm_weight=1 + 0.1 * r(V))
+    if rank is not None:
+        x.update(g=r(B, rank), g_weight=r(H * K, rank) * rank ** -0.5, gate=r(B, rank),
+                 gate_weight=r(H * V, rank) * rank ** -0.5)
     x = {name: t.to(dtype) for name, t in x.items()}
     A_log = torch.log(torch.rand(H, generator=gen, device=dev) * 15 + 1)
     x.update(A_log=A_log, dt_bias=r(H * K) * 0.1, state=r(B, H, K, V))
@@ -51,9 +60,10 @@ def run(x, lb, backend):
 
 
 @GATES
+@RANKS
 @pytest.mark.parametrize("shape", [(3, 2, 16, 32), (2, 1, 32, 16)], ids=["K<V", "K>V"])
-def test_fused_step_matches_the_three_reference_ops_in_fp32_with_states_in_place(lb, shape):
-    x = step_inputs(*shape, torch.float32)
+def test_fused_step_matches_the_reference_ops_in_fp32_with_states_in_place(lb, rank, shape):
+    x = step_inputs(*shape, torch.float32, rank=rank)
     ref = copies(x)
     addresses = (x["state"].data_ptr(), x["conv_state"].data_ptr())
     o = run(x, lb, "triton")
@@ -65,15 +75,17 @@ def test_fused_step_matches_the_three_reference_ops_in_fp32_with_states_in_place
 
 
 @GATES
-def test_fused_step_matches_the_three_reference_ops_in_bf16(lb, monkeypatch):
+@RANKS
+def test_fused_step_matches_the_reference_ops_in_bf16(lb, rank, monkeypatch):
     """bf16 inputs, fp32 state. The kernel rounds where the three ops hand bf16 tensors to each other (the conv output,
     the attention output) and keeps fp32 elsewhere, so the two agree up to fp32 summation order: where a sum lands on
     the other side of a bf16 rounding boundary, that element moves by one bf16 ulp (2^-8 relative) and what depends on
     it a fraction of that. Hence 2^-8 on the output and 1e-4 on the fp32 state (measured: bit-equal outputs, state
-    within 4e-7), well under what bf16 rounding alone costs (the bf16 reference is 3e-3 from the fp32 one)."""
+    within 4e-7), well under what bf16 rounding alone costs (the bf16 reference is 3e-3 from the fp32 one). Low-rank
+    gates: both sides round the up-projected logits to bf16, as F.linear stores them."""
     if INTERPRETED:
         emulate_bf16(monkeypatch)
-    x = step_inputs(3, 2, 16, 32, torch.bfloat16)
+    x = step_inputs(3, 2, 16, 32, torch.bfloat16, rank=rank)
     ref = copies(x)
     o = run(x, lb, "triton")
     ro = run(ref, lb, "torch")
@@ -116,8 +128,7 @@ def test_state_slabs_narrower_than_v_give_the_same_step():
     outputs, states = [], []
     for bv in (64, 16):
         y = copies(x)
-        args = [y[n] for n in ("qkv", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "gate",
-                               "norm_weight")]
+        args = [y.get(n) for n in LAUNCH_ARGS]
         launch = fused_decode.FusedDecodeLaunch(bv=bv, warps=1)
         outputs.append(fused_decode.launch_fused_decode(*args, 1e-5, -5.0, 0.25, launch))
         states.append((y["state"], y["conv_state"]))
@@ -138,11 +149,10 @@ def test_unfused_step_on_triton_matches_the_fused_kernel():
 def test_fused_op_declares_its_mutations_and_skips_the_dispatcher_without_autograd(monkeypatch):
     """The custom op's schema names both states as mutated and its fake gives the output's shape (what torch.compile
     relies on); without autograd the wrapper calls the launch code directly, with the op's result."""
-    x = step_inputs(2, 2, 16, 16, torch.float32)
-    args = [x[n] for n in ("qkv", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "gate",
-                           "norm_weight")]
-    torch.library.opcheck(fused_decode.kda_layer_decode_step_op, (*args, 1e-5, -5.0, 0.25),
-                          test_utils=("test_schema", "test_faketensor"))
+    for rank in (None, 8):
+        x = step_inputs(2, 2, 16, 16, torch.float32, rank=rank)
+        torch.library.opcheck(fused_decode.kda_layer_decode_step_op, (*map(x.get, LAUNCH_ARGS), 1e-5, -5.0, 0.25),
+                              test_utils=("test_schema", "test_faketensor"))
     dispatched_x, direct_x = copies(x), copies(x)
     dispatched = run(dispatched_x, -5.0, "triton")
 
@@ -167,27 +177,39 @@ def test_bad_inputs_name_the_problem():
         run({**x, "qkv": x["qkv"].requires_grad_()}, -5.0, "triton")
     with pytest.raises(ValueError, match="powers of two >= 16"):
         run(step_inputs(1, 1, 16, 24, torch.float32), -5.0, "triton")
+    low_rank = step_inputs(2, 2, 16, 16, torch.float32, rank=8)
+    with pytest.raises(ValueError, match=r"gate_weight must be \[32, R\] and gate its low-rank input \[B, R\]"):
+        run({**low_rank, "gate": low_rank["gate"][:, :4]}, -5.0, "triton")
+    with pytest.raises(ValueError, match=r"g must be \(2, 32\)"):
+        run({**low_rank, "g_weight": None}, -5.0, "torch")
+    with pytest.raises(ValueError, match="has no backward"):
+        run({**low_rank, "g_weight": low_rank["g_weight"].requires_grad_()}, -5.0, "triton")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="tests/test_gpu_model.py decodes on the GPU")
-def test_model_decodes_through_the_fused_kernel_like_the_reference(monkeypatch):
-    """Prefill through the chunked kernels, then one fused-kernel step per KDA layer and new token: greedy tokens equal
-    the torch backend's, scores within fp32 rounding."""
+@pytest.mark.parametrize("full_rank_gate", [True, False], ids=["K3_gate", "Kimi_Linear_gate"])
+def test_model_decodes_through_the_fused_kernel_like_the_reference(full_rank_gate, monkeypatch):
+    """Prefill through the chunked kernels, then one fused-kernel step per KDA layer and new token, which multiplies
+    the decay gate's (and a low-rank output gate's) up-projection itself: greedy tokens equal the torch backend's,
+    scores within fp32 rounding."""
     from conftest import tiny_model
 
     from kda_moe.kernels import kda
 
     steps = []
     fused = kda.kda_layer_decode_step_triton
-    monkeypatch.setattr(kda, "kda_layer_decode_step_triton", lambda *a, **kw: steps.append(1) or fused(*a, **kw))
-    models = [tiny_model(seed=0, kernel_backend=b, linear_head_dim=16) for b in ("triton", "torch")]
+    monkeypatch.setattr(kda, "kda_layer_decode_step_triton",
+                        lambda *a, **kw: steps.append((kw["g_weight"] is None, kw["gate_weight"] is None))
+                        or fused(*a, **kw))
+    models = [tiny_model(seed=0, kernel_backend=b, linear_head_dim=16, use_full_rank_gate=full_rank_gate)
+              for b in ("triton", "torch")]
     input_ids = torch.randint(1, models[0].config.vocab_size, (2, 7))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :2] = 0  # the second prompt is left-padded
     with torch.no_grad():
         out = [m.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False,
                           output_scores=True, return_dict_in_generate=True) for m in models]
-    assert len(steps) == 3 * 3  # 3 KDA layers, 3 tokens decoded after the prefill's
+    assert steps == [(False, full_rank_gate)] * 3 * 3  # 3 KDA layers, 3 tokens decoded after the prefill's
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
 

@@ -1,6 +1,7 @@
 """Kimi Delta Attention: the fused public entry point used by the model."""
 
 import torch
+import torch.nn.functional as F
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
 from ..conv import short_conv_step
@@ -139,13 +140,22 @@ def kda_decode_step(
     return o.reshape(out_shape)
 
 
-def _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight):
+def _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight,
+                             g_weight, gate_weight):
     if state.dim() != 4:
         raise ValueError(f"state must be [B, H, K, V], got shape {tuple(state.shape)}.")
     B, H, K, V = state.shape
     C = 2 * H * K + H * V
-    expected = {"qkv": (qkv, (B, C)), "g": (g, (B, H * K)), "beta": (beta, (B, H)), "A_log": (A_log, (H,)),
-                "dt_bias": (dt_bias, (H * K,)), "gate": (gate, (B, H * V)), "norm_weight": (norm_weight, (V,))}
+    expected = {"qkv": (qkv, (B, C)), "beta": (beta, (B, H)), "A_log": (A_log, (H,)), "dt_bias": (dt_bias, (H * K,)),
+                "norm_weight": (norm_weight, (V,))}
+    for name, logits, weight, width in (("g", g, g_weight, H * K), ("gate", gate, gate_weight, H * V)):
+        if weight is None:
+            expected[name] = (logits, (B, width))
+        elif weight.dim() != 2 or logits.shape != (B, weight.shape[1]) or weight.shape[0] != width:
+            raise ValueError(
+                f"{name}_weight must be [{width}, R] and {name} its low-rank input [B, R] = [{B}, R] (the logits are "
+                f"{name} @ {name}_weight^T), got {tuple(weight.shape)} and {tuple(logits.shape)}."
+            )
     for name, (tensor, shape) in expected.items():
         if tensor.shape != shape:
             raise ValueError(
@@ -172,13 +182,18 @@ def kda_layer_decode_step_unfused(
     norm_weight: torch.Tensor,
     eps: float,
     *,
+    g_weight: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
     gate_lower_bound: float | None = None,
     scale: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``kda_layer_decode_step`` as three ops (``short_conv_step``, ``kda_decode_step``, ``gated_rms_norm``), each on
-    ``backend``: on ``"torch"`` the reference the fused kernel computes, on ``"triton"`` three launches."""
+    """``kda_layer_decode_step`` as separate ops (the gates' up-projections by ``F.linear``, ``short_conv_step``,
+    ``kda_decode_step``, ``gated_rms_norm``), each on ``backend``: on ``"torch"`` the reference the fused kernel
+    computes, on ``"triton"`` three launches."""
     B, H, K, V = state.shape
+    g = g if g_weight is None else F.linear(g, g_weight)
+    gate = gate if gate_weight is None else F.linear(gate, gate_weight)
     qkv = short_conv_step(qkv, conv_weight, conv_state, backend=backend)
     q, k, v = (x.reshape(B, H, -1) for x in qkv.split([H * K, H * K, H * V], dim=-1))
     o = kda_decode_step(q, k, v, g.reshape(B, H, K), beta, A_log, dt_bias, state, gate_lower_bound=gate_lower_bound,
@@ -199,6 +214,8 @@ def kda_layer_decode_step(
     norm_weight: torch.Tensor,
     eps: float,
     *,
+    g_weight: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
     gate_lower_bound: float | None = None,
     scale: float | None = None,
     backend: str = "auto",
@@ -211,14 +228,18 @@ def kda_layer_decode_step(
     qkv: ``[B, 2*H*K + H*V]`` (q | k | v projections before the conv); conv_weight: ``[C, W]``; conv_state:
     ``[B, C, W-1]``; g: ``[B, H*K]`` gate logits (dt_bias NOT added); beta: ``[B, H]`` logits; A_log ``[H]``,
     dt_bias ``[H*K]`` fp32; state: ``[B, H, K, V]``; gate: ``[B, H*V]`` output gate logits; norm_weight: ``[V]``.
-    Returns ``[B, H*V]`` in qkv's dtype. The Triton kernel takes a contiguous fp32 state and a contiguous conv state;
+    With ``g_weight`` ``[H*K, R]`` (``gate_weight`` ``[H*V, R]``), g (gate) is instead the low-rank input ``[B, R]``
+    of an up-projection to the logits, ``g @ g_weight^T`` rounded to g's dtype, which the kernel multiplies per head
+    (a launch fewer each). Returns ``[B, H*V]`` in qkv's dtype. The Triton kernel takes a contiguous fp32 state and a contiguous conv state;
     ``"auto"`` runs any other on the reference (``kda_layer_decode_step_unfused`` on the torch backend)."""
-    _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight)
+    _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, g_weight,
+                             gate_weight)
     _check_gate_lower_bound(gate_lower_bound)
     supported = (fits_triton_tiles(*state.shape[2:]) and state.dtype == torch.float32 and state.is_contiguous()
                  and conv_state.is_contiguous())
-    options = dict(gate_lower_bound=gate_lower_bound, scale=scale)
-    if resolve_backend(backend, qkv, conv_weight, conv_state, g, beta, state, gate, supported=supported) == "triton":
+    options = dict(g_weight=g_weight, gate_weight=gate_weight, gate_lower_bound=gate_lower_bound, scale=scale)
+    if resolve_backend(backend, qkv, conv_weight, conv_state, g, beta, state, gate, g_weight, gate_weight,
+                       supported=supported) == "triton":
         return kda_layer_decode_step_triton(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate,
                                             norm_weight, eps, **options)
     return kda_layer_decode_step_unfused(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate,

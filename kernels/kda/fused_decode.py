@@ -5,7 +5,9 @@
 dt_bias, the fp32 recurrent state ``[B, H, K, V]``, the output gate logits ``[B, H*V]`` and the output norm's weight
 ``[V]``. It runs the conv step (SiLU), the q / k L2 norms, the gate, beta's sigmoid, the delta-rule step and the gated
 RMSNorm, and returns ``[B, H*V]`` for ``o_proj``; both states are overwritten in place (fixed addresses, only the
-output allocated, so a CUDA graph can capture it).
+output allocated, so a CUDA graph can capture it). Either gate's logits may come as a low-rank input ``[B, R]`` with
+its up-projection's weight (Kimi Linear's ``f_b`` / ``g_b``): each program then multiplies its head's rows of the
+weight with the input, as ``F.linear`` would in a launch of its own.
 
 One program per (sequence, head), looping over ``[K, BV]`` slabs of the head's state. The head cannot be split over
 programs along V as the decode kernel splits it: every slab needs the whole conv-ed, normed q and k rows, whose conv
@@ -25,6 +27,8 @@ import torch
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from .recurrent import delta_step, head_step_inputs
 from .tile_limits import require_triton_tiles
+
+LOW_RANK_SLICE = tl.constexpr(32)  # low-rank channels per step of a gate's up-projection: [K, 32] fp32 tiles
 
 
 @dataclass(frozen=True)
@@ -67,16 +71,33 @@ def _shift_in(conv_state, window, i_b, o_c, C: tl.constexpr, W: tl.constexpr, WP
 
 
 @triton.jit
-def _fused_decode_kernel(qkv, conv_w, conv_state, g, beta, A_log, dt_bias, state, gate, norm_w, o, scale, lb, eps,
-                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
-                         WP: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr):
+def _logits(x, w, i_b, rows, width, R: tl.constexpr):
+    """Logits ``rows`` ([N] indices below ``width``) of sequence i_b in fp32: x's own where R == 0 (x [B, width]), else
+    the up-projection of its low-rank input (x [B, R], w [width, R]) rounded to x's dtype, as F.linear stores it."""
+    if R == 0:
+        return tl.load(x + i_b * width + rows).to(tl.float32)
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for r0 in tl.static_range(0, R, LOW_RANK_SLICE):
+        o_r = r0 + tl.arange(0, LOW_RANK_SLICE)
+        m_r = o_r < R
+        a = tl.load(x + i_b * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+        wt = tl.load(w + rows.to(tl.int64)[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wt * a[None, :], 1)
+    return acc.to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, state, gate, gate_w, norm_w, o, scale,
+                         lb, eps, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                         WP: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr, G_RANK: tl.constexpr,
+                         GATE_RANK: tl.constexpr):
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, K)
     bq, q_window = _conv_window(qkv, conv_w, conv_state, i_b, i_h * K + o_k, C, W, WP)
     bk, k_window = _conv_window(qkv, conv_w, conv_state, i_b, H * K + i_h * K + o_k, C, W, WP)
-    bq, bk, decay, bb = head_step_inputs(bq, bk, tl.load(g + i_bh * K + o_k).to(tl.float32), tl.load(beta + i_bh),
-                                         A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
+    bg = _logits(g, g_w, i_b, i_h * K + o_k, H * K, G_RANK)
+    bq, bk, decay, bb = head_step_inputs(bq, bk, bg, tl.load(beta + i_bh), A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
     sum_sq = tl.zeros((BV,), dtype=tl.float32)
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
@@ -97,33 +118,36 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, beta, A_log, dt_bias, state
         o_v = v0 + tl.arange(0, BV)
         bo = tl.load(o + i_bh * V + o_v).to(tl.float32)
         bw = tl.load(norm_w + o_v).to(tl.float32)
-        bgate = tl.load(gate + i_bh * V + o_v).to(tl.float32)
+        bgate = _logits(gate, gate_w, i_b, i_h * V + o_v, H * V, GATE_RANK)
         normed = (bo * r * bw * tl.sigmoid(bgate)).to(o.dtype.element_ty)
         tl.debug_barrier()  # every thread has read this slab of the raw output before any of it is overwritten
         tl.store(o + i_bh * V + o_v, normed)
 
 
-def launch_fused_decode(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
-                        gate_lower_bound, scale, launch: FusedDecodeLaunch):
+def launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, dt_bias, state, gate, gate_weight,
+                        norm_weight, eps, gate_lower_bound, scale, launch: FusedDecodeLaunch):
     """The fused kernel on contiguous inputs (shapes as in ``kda_layer_decode_step_triton``); both states updated in
     place. Returns ``[B, H*V]`` in qkv's dtype."""
     B, H, K, V = state.shape
     W = conv_weight.shape[1]
     o = torch.empty(B, H * V, device=qkv.device, dtype=qkv.dtype)
     _fused_decode_kernel[(B * H,)](
-        qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, o, scale,
+        qkv, conv_weight, conv_state, g, g if g_weight is None else g_weight, beta, A_log, dt_bias, state, gate,
+        gate if gate_weight is None else gate_weight, norm_weight, o, scale,
         float(gate_lower_bound) if gate_lower_bound is not None else 0.0, eps,
         H=H, K=K, V=V, C=qkv.shape[1], W=W, WP=triton.next_power_of_2(W), BV=launch.bv,
-        BOUNDED=gate_lower_bound is not None, num_warps=launch.warps)
+        BOUNDED=gate_lower_bound is not None, G_RANK=0 if g_weight is None else g_weight.shape[1],
+        GATE_RANK=0 if gate_weight is None else gate_weight.shape[1], num_warps=launch.warps)
     return o
 
 
 def _layer_step(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_lower_bound: Optional[float],
-                scale: float) -> torch.Tensor:
-    return launch_fused_decode(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
-                               gate_lower_bound, scale, fused_decode_launch(state.shape[2], state.shape[3]))
+                g_weight: Optional[torch.Tensor], beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                state: torch.Tensor, gate: torch.Tensor, gate_weight: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                eps: float, gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
+    return launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, dt_bias, state, gate,
+                               gate_weight, norm_weight, eps, gate_lower_bound, scale,
+                               fused_decode_launch(state.shape[2], state.shape[3]))
 
 
 kda_layer_decode_step_op = torch.library.custom_op("kda_moe::kda_layer_decode_step", _layer_step,
@@ -131,18 +155,20 @@ kda_layer_decode_step_op = torch.library.custom_op("kda_moe::kda_layer_decode_st
 
 
 @kda_layer_decode_step_op.register_fake
-def _(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps, gate_lower_bound, scale):
+def _(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, dt_bias, state, gate, gate_weight, norm_weight, eps,
+      gate_lower_bound, scale):
     B, H, K, V = state.shape
     return qkv.new_empty((B, H * V))
 
 
 def kda_layer_decode_step_triton(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, eps,
-                                 *, gate_lower_bound=None, scale=None):
+                                 *, g_weight=None, gate_weight=None, gate_lower_bound=None, scale=None):
     """One decoding step of a KDA layer in one launch. qkv: ``[B, 2*H*K + H*V]`` (q | k | v before the conv);
     conv_weight: ``[C, W]``; conv_state: ``[B, C, W-1]``; g: ``[B, H*K]`` gate logits; beta: ``[B, H]`` logits;
     A_log ``[H]``, dt_bias ``[H*K]``; state: fp32 ``[B, H, K, V]``; gate: ``[B, H*V]`` output gate logits;
-    norm_weight: ``[V]``. Both states (contiguous) are updated in place. Returns ``[B, H*V]`` in qkv's dtype.
-    Decoding only: no backward."""
+    norm_weight: ``[V]``; with ``g_weight`` ``[H*K, R]`` (``gate_weight`` ``[H*V, R]``) g (gate) is the low-rank input
+    ``[B, R]`` of the logits' up-projection instead. Both states (contiguous) are updated in place. Returns
+    ``[B, H*V]`` in qkv's dtype. Decoding only: no backward."""
     B, H, K, V = state.shape
     require_triton_tiles(K, V)
     if state.dtype != torch.float32 or not state.is_contiguous() or not conv_state.is_contiguous():
@@ -152,9 +178,12 @@ def kda_layer_decode_step_triton(qkv, conv_weight, conv_state, g, beta, A_log, d
     if conv_weight.shape[1] < 2:
         raise ValueError(f"the fused KDA decode step needs a conv kernel of width >= 2, got {conv_weight.shape[1]}.")
     inputs = (qkv, conv_weight, g, beta, A_log, dt_bias, gate, norm_weight)
-    refuse_autograd("the fused KDA decode step", inputs, "the layer's sequence path")
+    refuse_autograd("the fused KDA decode step", [*inputs, *(w for w in (g_weight, gate_weight) if w is not None)],
+                    "the layer's sequence path")
     qkv, conv_weight, g, beta, A_log, dt_bias, gate, norm_weight = (t.contiguous() for t in inputs)
+    g_weight, gate_weight = (None if w is None else w.contiguous() for w in (g_weight, gate_weight))
     scale = K ** -0.5 if scale is None else float(scale)
     lb = None if gate_lower_bound is None else float(gate_lower_bound)
-    return op_for_call(kda_layer_decode_step_op, _layer_step)(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias,
-                                                              state, gate, norm_weight, float(eps), lb, scale)
+    return op_for_call(kda_layer_decode_step_op, _layer_step)(qkv, conv_weight, conv_state, g, g_weight, beta, A_log,
+                                                              dt_bias, state, gate, gate_weight, norm_weight,
+                                                              float(eps), lb, scale)
