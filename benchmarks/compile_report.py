@@ -105,8 +105,10 @@ def compile_all(dtype, forward_fields, backward_fields):
         for tokens in (1, moe_decode.MAX_DECODE_TOKENS):
             index = torch.zeros(tokens, top_k, dtype=torch.long)
             hidden, weights = torch.zeros(tokens, L, dtype=dtype), torch.zeros(tokens, top_k)
-            moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, "situ", 4.0, 25.0,
-                                         moe_decode.moe_decode_launch(tokens, L, I))
+            shared = [torch.zeros(I, L, dtype=dtype), torch.zeros(I, L, dtype=dtype), torch.zeros(L, I, dtype=dtype)]
+            for shared_expert in (None, shared):  # alone, and with the anchor config's shared expert
+                moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, shared_expert, "situ", 4.0, 25.0,
+                                             moe_decode.moe_decode_launch(tokens, L, I))
         compile_projections(dtype)
         compile_routing()
         compile_attn_res(dtype)

@@ -128,7 +128,7 @@ def row(name, N, shape, GBps, tune):
             d["knob_graph_ms"] = {}
             for launch in knobs(N, L, I):
                 replay = graphed(lambda launch=launch: decode.launch_moe_decode(
-                    x, index, weights, gate_up, down, activation, *CAPS.values(), launch))
+                    x, index, weights, gate_up, down, None, activation, *CAPS.values(), launch))
                 d["knob_graph_ms"][str(launch)] = bench(replay)
     return d
 

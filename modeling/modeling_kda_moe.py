@@ -1327,7 +1327,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
     """LatentMoE: route on the full hidden state, run the experts in a narrower latent space.
 
     `z = latent_down_proj(x)`; `u = sum_j w_j Expert_j(z)`; `u = latent_norm(u)`; `y = latent_up_proj(u) +
-    shared_experts(x)`. With `routed_expert_hidden_size=None` the experts run at full width (no latent path).
+    shared_experts(x)`. With `routed_expert_hidden_size=None` the experts run at full width (no latent path), and a
+    decoding step on Triton runs the shared expert inside the routed experts' decode kernel (`fuses_shared_expert`).
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -1344,10 +1345,32 @@ class KdaMoeSparseMoeBlock(nn.Module):
             else None
         )
 
+    def fuses_shared_expert(self, tokens: torch.Tensor) -> bool:
+        """Whether the routed experts' decode kernel also runs the shared expert (its output joins the same sums):
+        no latent projection (both at the hidden width), routed experts that `takes_decode_kernel` and a shared
+        expert of plain linears (`is_plain_linear`), neither module hooked (offloading, parallel plans)."""
+        shared, experts = self.shared_experts, self.experts
+        return (
+            shared is not None
+            and self.latent_down_proj is None
+            and not experts.is_mxfp4
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in (shared, experts))
+            and all(is_plain_linear(linear) for linear in (shared.gate_proj, shared.up_proj, shared.down_proj))
+            and experts.takes_decode_kernel(tokens)
+        )
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_indices = self.gate(tokens)
+        if self.fuses_shared_expert(tokens):
+            experts, shared, act = self.experts, self.shared_experts, self.experts.act_fn
+            output = moe_decode(
+                tokens, topk_indices, topk_weights.to(tokens.dtype), experts.gate_up_proj, experts.down_proj,
+                activation=act.kind, gate_cap=act.gate_cap, up_cap=act.up_cap,
+                shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight), backend="triton",
+            )
+            return output.view(shape)
         latent = tokens if self.latent_down_proj is None else self.latent_down_proj(tokens)
         routed = self.experts(latent, topk_indices, topk_weights.to(latent.dtype))
         if self.latent_norm is not None:

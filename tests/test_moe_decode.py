@@ -90,6 +90,29 @@ def test_kernel_matches_the_eager_experts_loop_in_fp32(case, activation, up_cap)
     assert rel(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("shared_intermediate", [40, 8], ids=["wider", "narrower"])
+def test_a_shared_expert_joins_every_tokens_sum(shared_intermediate):
+    """With a shared expert's weights the same launches add its output to every token's routed sum: the eager loop's
+    routed sum plus the shared MLP, in fp32. Its intermediate width differs from the routed experts' either way."""
+    N, k, E, L, I = CASES["shared-experts"]
+    experts = experts_module(E, k, L, I)
+    index, weights = routing(N, k, E)
+    gen = torch.Generator().manual_seed(2)
+    shared = tuple((torch.randn(*shape, generator=gen) * shape[1] ** -0.5).to(dev)
+                   for shape in ((shared_intermediate, L), (shared_intermediate, L), (L, shared_intermediate)))
+    x = torch.randn(N, L, generator=torch.Generator().manual_seed(1)).to(dev)
+    act = experts.act_fn
+    with torch.no_grad():
+        out = moe_decode(x, index, weights, experts.gate_up_proj, experts.down_proj, activation=act.kind,
+                         gate_cap=act.gate_cap, up_cap=act.up_cap, shared=shared, backend="triton")
+        shared_out = act(x @ shared[0].T, x @ shared[1].T) @ shared[2].T
+        expected = experts(x, index, weights) + shared_out
+    assert rel(out, expected) < 1e-5
+    with pytest.raises(ValueError, match=r"down \[l, Is\]\) weights with l = 40"):
+        moe_decode(x, index, weights, experts.gate_up_proj, experts.down_proj, activation=act.kind,
+                   gate_cap=act.gate_cap, up_cap=act.up_cap, shared=(*shared[:2], shared[2][:, 1:]), backend="triton")
+
+
 def test_a_token_that_names_an_expert_twice_gets_both_weighted_rows():
     """The router never repeats an expert within a token, but the kernel computes the sum as written: both choices
     count (as in the eager loop), each with its own weight."""
@@ -184,8 +207,10 @@ def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
     experts = experts_module(4, 2, 16, 16)
     x = torch.randn(3, 16, device=dev)
     index, weights = routing(3, 2, 4)
-    args = (x, index, weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), "situ", 4.0, 25.0)
-    torch.library.opcheck(decode.moe_decode_op, args, test_utils=("test_schema", "test_faketensor"))
+    args = (x, index, weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), [], "situ", 4.0, 25.0)
+    shared = [torch.randn(8, 16, device=dev), torch.randn(8, 16, device=dev), torch.randn(16, 8, device=dev)]
+    for checked in (args, (*args[:5], shared, *args[6:])):
+        torch.library.opcheck(decode.moe_decode_op, checked, test_utils=("test_schema", "test_faketensor"))
     dispatched = decode.moe_decode_op(*args)
 
     def fail(*args):
@@ -211,12 +236,17 @@ def count_kernel_calls(monkeypatch) -> list:
 
 @pytest.mark.skipif(not INTERPRETED, reason="tests/test_gpu_model.py decodes on the GPU")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_model_greedy_tokens_through_the_kernel_equal_the_torch_backend(cache, monkeypatch):
+@pytest.mark.parametrize("latent", [16, None], ids=["latent", "full_width"])
+def test_model_greedy_tokens_through_the_kernel_equal_the_torch_backend(cache, latent, monkeypatch):
     """The prefill (8 tokens) and every decoding step (2 tokens) of each sparse layer run the kernel under
-    transformers' default experts implementation (grouped_mm); greedy tokens equal the torch backend's, scores within
-    fp32 rounding."""
-    calls = count_kernel_calls(monkeypatch)
-    models = [tiny_model(seed=0, kernel_backend=b, **LAYERS) for b in ("triton", "torch")]
+    transformers' default experts implementation (grouped_mm), with the shared expert inside it where the experts run
+    at the hidden width; greedy tokens equal the torch backend's, scores within fp32 rounding."""
+    calls = []
+    kernel = moe.moe_decode_triton
+    monkeypatch.setattr(moe, "moe_decode_triton", lambda *a, **kw: calls.append(
+        (a[0].shape[0], kw.get("shared") is not None)) or kernel(*a, **kw))
+    models = [tiny_model(seed=0, kernel_backend=b, routed_expert_hidden_size=latent, **LAYERS)
+              for b in ("triton", "torch")]
     assert models[0].config._experts_implementation == "grouped_mm"
     sparse_layers = models[0].config.mlp_layer_types.count("sparse")
     input_ids = torch.randint(1, models[0].config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
@@ -224,7 +254,8 @@ def test_model_greedy_tokens_through_the_kernel_equal_the_torch_backend(cache, m
     with torch.no_grad():
         out = [m.generate(input_ids, output_scores=True, return_dict_in_generate=True, **GREEDY, **options)
                for m in models]
-    assert calls == [8] * sparse_layers + [2] * sparse_layers * 3
+    fused = latent is None
+    assert calls == [(8, fused)] * sparse_layers + [(2, fused)] * sparse_layers * 3
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
 

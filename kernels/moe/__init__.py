@@ -41,6 +41,18 @@ def _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_
         raise ValueError(f"top_k_index must hold expert ids as int32 or int64, got {top_k_index.dtype}.")
 
 
+def _check_shared_expert(hidden_states, shared):
+    if shared is None:
+        return
+    L = hidden_states.shape[1]
+    gate, up, down = shared
+    if gate.dim() != 2 or gate.shape[1] != L or up.shape != gate.shape or down.shape != (L, gate.shape[0]):
+        raise ValueError(
+            f"shared must be a shared expert's (gate [Is, l], up [Is, l], down [l, Is]) weights with l = {L} (the "
+            f"hidden states' width), got {tuple(gate.shape)}, {tuple(up.shape)} and {tuple(down.shape)}."
+        )
+
+
 def moe_decode(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -51,9 +63,12 @@ def moe_decode(
     activation: str,
     gate_cap: float,
     up_cap: float | None,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """The routed experts of a few tokens: ``sum_j w_j down_j(act(gate_up_j(x)))`` per token.
+    """The routed experts of a few tokens: ``sum_j w_j down_j(act(gate_up_j(x)))`` per token, plus with ``shared``
+    (a shared expert's gate ``[Is, l]``, up ``[Is, l]`` and down ``[l, Is]`` weights) ``down_s(act(gate_s(x),
+    up_s(x)))``, summed with the routed experts' in fp32 (one launch sequence for both).
 
     hidden_states ``[N, l]``; top_k_index (ids in ``[0, E)``) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]``
     (gate rows, then up rows) and down_proj ``[E, l, I]`` as the experts module stores them; ``activation`` "silu" or
@@ -62,15 +77,17 @@ def moe_decode(
     sums; it takes up to ``MAX_DECODE_TOKENS`` tokens with contiguous weights of their dtype, and no autograd.
     ``"auto"`` runs anything else on the reference, which gathers the chosen experts' weights per token."""
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    _check_shared_expert(hidden_states, shared)
+    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, *(shared or ()))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
-    supported = fits_decode_kernel(hidden_states, gate_up_proj, down_proj) and not needs_grad
+    supported = fits_decode_kernel(hidden_states, gate_up_proj, down_proj, *(shared or ())) and not needs_grad
     options = dict(gate_cap=gate_cap, up_cap=up_cap)
-    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *(shared or ()),
                        supported=supported) == "triton":
         return moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind=activation,
-                                 **options)
-    return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
+                                 shared=shared, **options)
+    return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation,
+                          shared=shared, **options)
 
 
 def grouped_experts(

@@ -75,122 +75,165 @@ def _expert_of_slot(top_k_index, slot, N, E, K: tl.constexpr, KP: tl.constexpr, 
 
 
 @triton.jit
-def _moe_up_kernel(x, top_k_index, gate_up, act, N, E, gate_cap, up_cap, K: tl.constexpr, KP: tl.constexpr,
-                   L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
-                   SITU: tl.constexpr, UP_CAP: tl.constexpr):
-    slot = tl.program_id(0)
-    e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
-    if owner:
-        o_t = tl.arange(0, ROWS)
-        o_i = tl.program_id(1) * BI + tl.arange(0, BI)
-        m_i = o_i < I
-        gate_rows = e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] offsets of this block's gate rows; up rows: + I*L
-        acc_gate = tl.zeros((ROWS, BI), dtype=tl.float32)
-        acc_up = tl.zeros((ROWS, BI), dtype=tl.float32)
-        for k0 in range(0, L, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < L
-            bx = tl.load(x + o_t[:, None] * L + o_k[None, :], mask=chose[:, None] & m_k[None, :], other=0.0)
-            m_w = m_i[:, None] & m_k[None, :]
-            w_gate = tl.load(gate_up + gate_rows[:, None] + o_k[None, :], mask=m_w, other=0.0)
-            w_up = tl.load(gate_up + (gate_rows + I * L)[:, None] + o_k[None, :], mask=m_w, other=0.0)
-            acc_gate = tl.dot(bx, tl.trans(w_gate), acc_gate, input_precision="ieee")
-            acc_up = tl.dot(bx, tl.trans(w_up), acc_up, input_precision="ieee")
-        h = gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
-        rows = (o_t * K + choice)[:, None] * I  # each token's row of act: the first of its choices that is e
-        tl.store(act + rows + o_i[None, :], h.to(act.dtype.element_ty), mask=chose[:, None] & m_i[None, :])
+def _gated_block(x, rows, w_gate, w_up, m_i, gate_cap, up_cap, L: tl.constexpr, ROWS: tl.constexpr,
+                 BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr, UP_CAP: tl.constexpr):
+    """[ROWS, BI] fp32: the gated activation of the token rows marked by ``rows`` ([ROWS]; the others 0) for the
+    weight rows at pointers w_gate / w_up ([BI], masked by m_i), each row of length L read once."""
+    o_t = tl.arange(0, ROWS)
+    acc_gate = tl.zeros((ROWS, BI), dtype=tl.float32)
+    acc_up = tl.zeros((ROWS, BI), dtype=tl.float32)
+    for k0 in range(0, L, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < L
+        bx = tl.load(x + o_t[:, None] * L + o_k[None, :], mask=rows[:, None] & m_k[None, :], other=0.0)
+        m_w = m_i[:, None] & m_k[None, :]
+        acc_gate = tl.dot(bx, tl.trans(tl.load(w_gate[:, None] + o_k[None, :], mask=m_w, other=0.0)), acc_gate,
+                          input_precision="ieee")
+        acc_up = tl.dot(bx, tl.trans(tl.load(w_up[:, None] + o_k[None, :], mask=m_w, other=0.0)), acc_up,
+                        input_precision="ieee")
+    return gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
 
 
 @triton.jit
-def _moe_down_kernel(act, top_k_index, top_k_weights, down, out, N, E, K: tl.constexpr, KP: tl.constexpr,
-                     L: tl.constexpr, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
+def _down_block(act_rows, rows, w_down, m_o, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr,
+                BK: tl.constexpr):
+    """[ROWS, BO] fp32: the activation rows at pointers act_rows ([ROWS], of length I; those not marked by ``rows``
+    read as 0) times the down rows at pointers w_down ([BO], masked by m_o)."""
+    acc = tl.zeros((ROWS, BO), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < I
+        ba = tl.load(act_rows[:, None] + o_k[None, :], mask=rows[:, None] & m_k[None, :], other=0.0)
+        w = tl.load(w_down[:, None] + o_k[None, :], mask=m_o[:, None] & m_k[None, :], other=0.0)
+        acc = tl.dot(ba, tl.trans(w), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_act, N, E, gate_cap, up_cap,
+                   K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+                   ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr,
+                   UP_CAP: tl.constexpr):
     slot = tl.program_id(0)
-    e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
+    o_t = tl.arange(0, ROWS)
+    o_i = tl.program_id(1) * BI + tl.arange(0, BI)
+    if slot == N * K:  # the shared expert (a slot launched only with one): every token, its own weights
+        m_i = o_i < IS
+        if tl.program_id(1) * BI < IS:
+            h = _gated_block(x, o_t < N, shared_gate + o_i * L, shared_up + o_i * L, m_i, gate_cap, up_cap, L, ROWS,
+                             BI, BK, SITU, UP_CAP)
+            tl.store(shared_act + o_t[:, None] * IS + o_i[None, :], h.to(shared_act.dtype.element_ty),
+                     mask=(o_t < N)[:, None] & m_i[None, :])
+    else:
+        e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
+        m_i = o_i < I
+        if owner & (tl.program_id(1) * BI < I):
+            gate_rows = gate_up + e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] pointers; the up rows: + I * L
+            h = _gated_block(x, chose, gate_rows, gate_rows + I * L, m_i, gate_cap, up_cap, L, ROWS, BI, BK, SITU,
+                             UP_CAP)
+            rows = (o_t * K + choice)[:, None] * I  # each token's row of act: the first of its choices that is e
+            tl.store(act + rows + o_i[None, :], h.to(act.dtype.element_ty), mask=chose[:, None] & m_i[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_down, out, N, E, K: tl.constexpr,
+                     KP: tl.constexpr, KS: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+                     ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
+    slot = tl.program_id(0)
     o_t = tl.arange(0, ROWS)
     o_o = tl.program_id(1) * BO + tl.arange(0, BO)
     m_o = o_o < L
-    if owner:
-        down_rows = e.to(tl.int64) * (L * I) + o_o * I  # [BO]
-        acc = tl.zeros((ROWS, BO), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < I
-            ba = tl.load(act + (o_t * K + choice)[:, None] * I + o_k[None, :], mask=chose[:, None] & m_k[None, :],
-                         other=0.0)
-            w_down = tl.load(down + down_rows[:, None] + o_k[None, :], mask=m_o[:, None] & m_k[None, :], other=0.0)
-            acc = tl.dot(ba, tl.trans(w_down), acc, input_precision="ieee")
-        for j in tl.static_range(K):  # every (token, choice) that is e gets its own weighted row
-            picked = tl.load(top_k_index + o_t * K + j, mask=o_t < N, other=-1) == e
-            weight = tl.load(top_k_weights + o_t * K + j, mask=picked, other=0.0).to(tl.float32)
-            tl.store(out + (o_t * K + j)[:, None] * L + o_o[None, :], acc * weight[:, None],
-                     mask=picked[:, None] & m_o[None, :])
-    elif (e < 0) | (e >= E):  # no expert (an expert-parallel placeholder id): the slot adds nothing
-        tl.store(out + slot * L + o_o, tl.zeros((BO,), dtype=tl.float32), mask=m_o)
+    if slot == N * K:  # the shared expert: every token's row K, weight 1
+        acc = _down_block(shared_act + o_t * IS, o_t < N, shared_down + o_o * IS, m_o, IS, ROWS, BO, BK)
+        tl.store(out + (o_t * KS + K)[:, None] * L + o_o[None, :], acc, mask=(o_t < N)[:, None] & m_o[None, :])
+    else:
+        e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
+        if owner:
+            acc = _down_block(act + (o_t * K + choice) * I, chose, down + e.to(tl.int64) * (L * I) + o_o * I, m_o, I,
+                              ROWS, BO, BK)
+            for j in tl.static_range(K):  # every (token, choice) that is e gets its own weighted row
+                picked = tl.load(top_k_index + o_t * K + j, mask=o_t < N, other=-1) == e
+                weight = tl.load(top_k_weights + o_t * K + j, mask=picked, other=0.0).to(tl.float32)
+                tl.store(out + (o_t * KS + j)[:, None] * L + o_o[None, :], acc * weight[:, None],
+                         mask=picked[:, None] & m_o[None, :])
+        elif (e < 0) | (e >= E):  # no expert (an expert-parallel placeholder id): the slot adds nothing
+            tl.store(out + ((slot // K) * KS + slot % K) * L + o_o, tl.zeros((BO,), dtype=tl.float32), mask=m_o)
 
 
 @triton.jit
-def _moe_sum_kernel(out, y, K: tl.constexpr, L: tl.constexpr, BO: tl.constexpr):
+def _moe_sum_kernel(out, y, KS: tl.constexpr, L: tl.constexpr, BO: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     o_o = tl.program_id(1) * BO + tl.arange(0, BO)
     m_o = o_o < L
     acc = tl.zeros((BO,), dtype=tl.float32)
-    for j in tl.static_range(K):
-        acc += tl.load(out + (token * K + j) * L + o_o, mask=m_o, other=0.0)
+    for j in tl.static_range(KS):
+        acc += tl.load(out + (token * KS + j) * L + o_o, mask=m_o, other=0.0)
     tl.store(y + token * L + o_o, acc.to(y.dtype.element_ty), mask=m_o)
 
 
-def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap, up_cap,
-                      launch: MoeDecodeLaunch):
-    """The three kernels on contiguous inputs (shapes as in ``moe_decode_triton``); returns ``[N, l]`` in
-    hidden_states' dtype."""
+def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind, gate_cap,
+                      up_cap, launch: MoeDecodeLaunch):
+    """The three kernels on contiguous inputs (shapes as in ``moe_decode_triton``; ``shared`` None or the shared
+    expert's (gate, up, down) weights); returns ``[N, l]`` in hidden_states' dtype."""
     N, K = top_k_index.shape
     E, L, I = down_proj.shape
+    IS = 0 if shared is None else shared[2].shape[1]
+    KS = K + (shared is not None)  # rows per token: its choices, then the shared expert's
     act = hidden_states.new_empty(N * K, I)  # per (token, choice): the gated activation, in the input dtype
-    out = torch.empty(N, K, L, device=hidden_states.device, dtype=torch.float32)  # per (token, choice): w_j * expert_j
-    shape = dict(K=K, KP=triton.next_power_of_2(K), L=L, I=I, ROWS=launch.rows)
-    _moe_up_kernel[(N * K, triton.cdiv(I, launch.block_inter))](
-        hidden_states, top_k_index, gate_up_proj, act, N, E, float(gate_cap), 0.0 if up_cap is None else float(up_cap),
-        BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ", UP_CAP=up_cap is not None,
-        num_warps=launch.warps, **shape)
-    _moe_down_kernel[(N * K, triton.cdiv(L, launch.block_out))](
-        act, top_k_index, top_k_weights, down_proj, out, N, E, BO=launch.block_out, BK=launch.block_k,
-        num_warps=launch.warps, **shape)
+    shared_act = hidden_states.new_empty(N, IS)
+    out = torch.empty(N, KS, L, device=hidden_states.device, dtype=torch.float32)  # per (token, row): w_j * expert_j
+    shared_gate, shared_up, shared_down = (hidden_states,) * 3 if shared is None else shared
+    shape = dict(K=K, KP=triton.next_power_of_2(K), L=L, I=I, IS=IS, ROWS=launch.rows)
+    slots = N * K + (shared is not None)
+    _moe_up_kernel[(slots, triton.cdiv(max(I, IS), launch.block_inter))](
+        hidden_states, top_k_index, gate_up_proj, act, shared_gate, shared_up, shared_act, N, E, float(gate_cap),
+        0.0 if up_cap is None else float(up_cap), BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ",
+        UP_CAP=up_cap is not None, num_warps=launch.warps, **shape)
+    _moe_down_kernel[(slots, triton.cdiv(L, launch.block_out))](
+        act, top_k_index, top_k_weights, down_proj, shared_act, shared_down, out, N, E, KS=KS,
+        BO=launch.block_out, BK=launch.block_k, num_warps=launch.warps, **shape)
     y = torch.empty_like(hidden_states)
-    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, K=K, L=L, BO=SUM_BLOCK, num_warps=4)
+    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, KS=KS, L=L, BO=SUM_BLOCK, num_warps=4)
     return y
 
 
 def _decode(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, kind: str, gate_cap: float,
-            up_cap: Optional[float]) -> torch.Tensor:
-    return launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap,
-                             up_cap, moe_decode_launch(*hidden_states.shape, down_proj.shape[2]))
+            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared: list[torch.Tensor], kind: str,
+            gate_cap: float, up_cap: Optional[float]) -> torch.Tensor:
+    """``shared``: the shared expert's (gate, up, down) weights, or empty."""
+    shared = shared or None
+    intermediate = down_proj.shape[2] if shared is None else max(down_proj.shape[2], shared[2].shape[1])
+    return launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind,
+                             gate_cap, up_cap, moe_decode_launch(*hidden_states.shape, intermediate))
 
 
 moe_decode_op = torch.library.custom_op("kda_moe::moe_decode", _decode, mutates_args=())
 
 
 @moe_decode_op.register_fake
-def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind, gate_cap, up_cap):
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind, gate_cap, up_cap):
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, kind, gate_cap, up_cap):
+def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, kind, gate_cap, up_cap,
+                      shared=None):
     """The routed experts of at most ``MAX_DECODE_TOKENS`` tokens in three launches. hidden_states ``[N, l]``;
     top_k_index (expert ids) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]`` and down_proj ``[E, l, I]``
-    (contiguous, hidden_states' dtype, read in place); the activation ``kind`` ("silu" | "situ") with its caps.
-    Returns ``[N, l]`` in hidden_states' dtype. Decoding only: no backward."""
-    if not fits_decode_kernel(hidden_states, gate_up_proj, down_proj):
+    (contiguous, hidden_states' dtype, read in place); the activation ``kind`` ("silu" | "situ") with its caps;
+    ``shared`` None or a shared expert's (gate ``[Is, l]``, up ``[Is, l]``, down ``[l, Is]``) weights, whose output
+    joins every token's sum. Returns ``[N, l]`` in hidden_states' dtype. Decoding only: no backward."""
+    if not fits_decode_kernel(hidden_states, gate_up_proj, down_proj, *(shared or ())):
         raise ValueError(
             f"the Triton MoE decode kernel takes at most {MAX_DECODE_TOKENS} tokens in bf16, fp16 or fp32 and reads "
             f"contiguous expert weights of that dtype in place; got {hidden_states.shape[0]} tokens in "
             f"{hidden_states.dtype}, gate_up_proj {gate_up_proj.dtype} (contiguous: {gate_up_proj.is_contiguous()}) "
-            f"and down_proj {down_proj.dtype} (contiguous: {down_proj.is_contiguous()}). Run the experts module (its "
+            f"and down_proj {down_proj.dtype} (contiguous: {down_proj.is_contiguous()}), shared expert weights "
+            f"{[(w.dtype, w.is_contiguous()) for w in shared or ()]}. Run the experts module (its "
             "experts_implementation) for more tokens, or pass matching contiguous weights."
         )
-    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj, *(shared or ()))
     refuse_autograd("the Triton MoE decode kernel", inputs, "the experts module")
     hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
     up_cap = None if up_cap is None else float(up_cap)
-    return op_for_call(moe_decode_op, _decode)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind,
-                                               float(gate_cap), up_cap)
+    return op_for_call(moe_decode_op, _decode)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                               list(shared or ()), kind, float(gate_cap), up_cap)

@@ -13,13 +13,12 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROUTED_EXPERTS = 1024
 
 
-def fits_decode_kernel(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: at most ``MAX_DECODE_TOKENS`` tokens, and contiguous expert weights of
-    the hidden states' (floating) dtype, which it reads in place."""
+def fits_decode_kernel(hidden_states: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs: at most ``MAX_DECODE_TOKENS`` tokens, and contiguous expert weights
+    (the routed experts' gate_up_proj and down_proj, a shared expert's) of the hidden states' (floating) dtype, which it
+    reads in place."""
     return (
         hidden_states.shape[0] <= MAX_DECODE_TOKENS
         and hidden_states.dtype in KERNEL_DTYPES
-        and gate_up_proj.dtype == down_proj.dtype == hidden_states.dtype
-        and gate_up_proj.is_contiguous()
-        and down_proj.is_contiguous()
+        and all(weight.dtype == hidden_states.dtype and weight.is_contiguous() for weight in weights)
     )

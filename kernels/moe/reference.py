@@ -33,18 +33,26 @@ def routed_experts(
     kind: str,
     gate_cap: float,
     up_cap: float | None,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``sum_j w_j down_j(act(gate_up_j(x)))`` per token, with the decode kernel's rounding: fp32 products and sums,
-    the activation's output rounded to the input dtype (the down product's operand), the result rounded once.
+    """``sum_j w_j down_j(act(gate_up_j(x)))`` per token (plus a shared expert's ``down_s(act(gate_s(x), up_s(x)))``
+    with ``shared``, its (gate, up, down) weights), with the decode kernel's rounding: fp32 products and sums, the
+    activation's output rounded to the input dtype (the down product's operand), the result rounded once.
 
-    hidden_states [N, l], top_k_index / top_k_weights [N, k], gate_up_proj [E, 2I, l], down_proj [E, l, I] ->
-    [N, l] in hidden_states' dtype. Gathers each token's k experts' weights (a copy of them): a reference, not a
-    fast path."""
-    gate_up = torch.einsum("nl,nkil->nki", hidden_states.float(), gate_up_proj[top_k_index].float())  # [N, k, 2I]
+    hidden_states [N, l], top_k_index / top_k_weights [N, k], gate_up_proj [E, 2I, l], down_proj [E, l, I]; shared
+    [Is, l], [Is, l], [l, Is] -> [N, l] in hidden_states' dtype. Gathers each token's k experts' weights (a copy of
+    them): a reference, not a fast path."""
+    x = hidden_states.float()
+    gate_up = torch.einsum("nl,nkil->nki", x, gate_up_proj[top_k_index].float())  # [N, k, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
     act = gated_activation(gate, up, kind, gate_cap, up_cap).to(hidden_states.dtype)  # [N, k, I]
     out = torch.einsum("nki,nkli->nkl", act.float(), down_proj[top_k_index].float())  # [N, k, l]
-    return (out * top_k_weights.float()[..., None]).sum(1).to(hidden_states.dtype)
+    total = (out * top_k_weights.float()[..., None]).sum(1)
+    if shared is not None:
+        shared_gate, shared_up, shared_down = (w.float() for w in shared)
+        shared_act = gated_activation(x @ shared_gate.T, x @ shared_up.T, kind, gate_cap, up_cap)
+        total = total + shared_act.to(hidden_states.dtype).float() @ shared_down.T
+    return total.to(hidden_states.dtype)
 
 
 def sigmoid_top_k(
