@@ -13,6 +13,10 @@ and the fused expert weights as stored, ``gate_up_proj [E, 2I, l]`` and ``down_p
 3. sum: a program per (token, block of l channels) adds the token's k rows in fp32, in choice order, and rounds the
    sum to the input dtype.
 
+A shared expert (a dense MLP every token takes, its gate, up and down weights given apart) adds one slot to both
+grids, after the choice slots: its programs run it for all the tokens at once, and its row joins each token's sum
+last, with weight 1.
+
 No host reads, no data-dependent shapes (the grids depend on N, k, I and l only), so torch.compile traces the custom
 op and a CUDA graph replays it. Bytes read per call: the distinct chosen experts' ``3 * I * l`` weights, once each,
 plus the tokens' rows. Products accumulate in fp32 (fp32 inputs multiply in full fp32, not tf32); the activation is
