@@ -19,6 +19,10 @@ import torch
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS
 
+# One warp a token for the top-k: its 3k reductions over the E scores form a serial chain, which within a warp are
+# shuffles, across warps shared-memory round trips (MAX_ROUTED_EXPERTS scores are 32 registers a thread).
+TOP_K_WARPS = 1
+
 @triton.jit
 def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
     expert = tl.program_id(0).to(tl.int64)
@@ -99,7 +103,7 @@ def _sigmoid_top_k(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     if N:
         _sigmoid_top_k_kernel[(N,)](router_logits, bias, weights, indices, E, scale, K=top_k,
                                     KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
-                                    RENORMALIZE=renormalize, num_warps=4)
+                                    RENORMALIZE=renormalize, num_warps=TOP_K_WARPS)
     return weights, indices
 
 
