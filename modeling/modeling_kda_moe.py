@@ -1348,7 +1348,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
     def fuses_shared_expert(self, tokens: torch.Tensor) -> bool:
         """Whether the routed experts' decode kernel also runs the shared expert (its output joins the same sums):
         no latent projection (both at the hidden width), routed experts that `takes_decode_kernel` and a shared
-        expert of plain linears (`is_plain_linear`), neither module hooked (offloading, parallel plans)."""
+        expert of plain linears (`is_plain_linear`) whose weights the kernel takes and no gradient needs, neither module
+        hooked (offloading, parallel plans)."""
         shared, experts = self.shared_experts, self.experts
         return (
             shared is not None
@@ -1356,6 +1357,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
             and not experts.is_mxfp4
             and not any(m._forward_hooks or m._forward_pre_hooks for m in (shared, experts))
             and all(is_plain_linear(linear) for linear in (shared.gate_proj, shared.up_proj, shared.down_proj))
+            and fits_decode_kernel(tokens, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+            and not (torch.is_grad_enabled() and any(weight.requires_grad for weight in shared.parameters()))
             and experts.takes_decode_kernel(tokens)
         )
 

@@ -303,6 +303,21 @@ def test_inputs_that_need_gradients_keep_the_experts_implementation(monkeypatch)
     assert calls
 
 
+def test_a_trainable_shared_expert_beside_frozen_experts_keeps_its_own_mlp(monkeypatch):
+    """Only the shared experts train: the first sparse layer's frozen routed experts still take the kernel, its
+    shared expert runs apart (the kernel has no backward); from there on the states carry gradients, so later layers
+    keep the experts implementation. Every shared expert gets its gradients."""
+    calls = count_kernel_calls(monkeypatch)
+    model = tiny_model(seed=0, kernel_backend="triton", routed_expert_hidden_size=None, **LAYERS).to(dev)
+    model.requires_grad_(False)
+    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "shared_experts")]
+    for mlp in sparse:
+        mlp.shared_experts.requires_grad_(True)
+    model(torch.tensor([[5, 6, 7]], device=dev)).logits.sum().backward()
+    assert len(sparse) > 1 and calls == [3]
+    assert all(mlp.shared_experts.down_proj.weight.grad is not None for mlp in sparse)
+
+
 def test_more_tokens_than_the_kernel_takes_keep_the_experts_implementation(monkeypatch):
     """A forward of more than MAX_DECODE_TOKENS tokens (a prompt) runs the experts implementation; 64 take the kernel."""
     calls = count_kernel_calls(monkeypatch)
