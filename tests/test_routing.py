@@ -28,7 +28,8 @@ def logits_and_bias(N, E, seed=0):
     return (torch.randn(N, E, generator=gen) * 3).to(dev), (torch.randn(E, generator=gen) * 0.5).to(dev)
 
 
-@pytest.mark.parametrize("N,E,D", [(1, 64, 96), (5, 40, 200), (MAX_DECODE_TOKENS, 17, 64)], ids=["one", "ragged", "most"])
+@pytest.mark.parametrize("N,E,D", [(1, 64, 96), (5, 40, 200), (MAX_DECODE_TOKENS, 17, 64)],
+                         ids=["one", "ragged", "most"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_logits_kernel_is_the_fp32_product_of_the_states_and_the_weight(N, E, D, dtype):
     """bf16 states are widened exactly, so both sides multiply the same fp32 numbers; expert and width counts that are

@@ -230,8 +230,9 @@ def kda_layer_decode_step(
     dt_bias ``[H*K]`` fp32; state: ``[B, H, K, V]``; gate: ``[B, H*V]`` output gate logits; norm_weight: ``[V]``.
     With ``g_weight`` ``[H*K, R]`` (``gate_weight`` ``[H*V, R]``), g (gate) is instead the low-rank input ``[B, R]``
     of an up-projection to the logits, ``g @ g_weight^T`` rounded to g's dtype, which the kernel multiplies per head
-    (a launch fewer each). Returns ``[B, H*V]`` in qkv's dtype. The Triton kernel takes a contiguous fp32 state and a contiguous conv state;
-    ``"auto"`` runs any other on the reference (``kda_layer_decode_step_unfused`` on the torch backend)."""
+    (a launch fewer each). Returns ``[B, H*V]`` in qkv's dtype. The Triton kernel takes a contiguous fp32 state and
+    a contiguous conv state; ``"auto"`` runs any other on the reference (``kda_layer_decode_step_unfused`` on the
+    torch backend)."""
     _check_layer_step_inputs(qkv, conv_weight, conv_state, g, beta, A_log, dt_bias, state, gate, norm_weight, g_weight,
                              gate_weight)
     _check_gate_lower_bound(gate_lower_bound)

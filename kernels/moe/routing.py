@@ -7,11 +7,11 @@ The logits kernel runs a program per expert, which reads the expert's router row
 tokens' states (the rows of its tiles; they come from L2 after the first program), fp32 products summed in fp32: at a
 decoding step it replaces the widening copy and cuBLAS's two-kernel fp32 GEMV.
 
-The top-k kernel: one program per token holds its E scores in registers and picks the k best by k rounds of max-and-remove (the lowest
-id among equal scores), then gathers, renormalises and scales the unbiased scores of the chosen. Torch needs a
-sigmoid, a two-pass top-k with its sort, a gather and a sum for the same; at a decoding step each of those is a launch
-of a few microseconds per MoE layer. No host reads, fixed grid: torch.compile keeps the custom op and a CUDA graph
-replays it.
+The top-k kernel: one program per token holds its E scores in registers and picks the k best by k rounds of
+max-and-remove (the lowest id among equal scores), then gathers, renormalises and scales the unbiased scores of the
+chosen. Torch needs a sigmoid, a two-pass top-k with its sort, a gather and a sum for the same; at a decoding step
+each of those is a launch of a few microseconds per MoE layer. No host reads, fixed grids: torch.compile keeps the
+custom ops and a CUDA graph replays them.
 """
 
 import torch
@@ -22,6 +22,7 @@ from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS
 # One warp a token for the top-k: its 3k reductions over the E scores form a serial chain, which within a warp are
 # shuffles, across warps shared-memory round trips (MAX_ROUTED_EXPERTS scores are 32 registers a thread).
 TOP_K_WARPS = 1
+
 
 @triton.jit
 def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
