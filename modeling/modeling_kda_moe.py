@@ -101,15 +101,20 @@ def onloaded_weights(*modules: nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def runs_its_own_forward(module: nn.Module) -> bool:
+    """No hooks around the module's call (tensor-parallel plans, accelerate's offloading) and no replaced forward: a
+    kernel may read its weights in place of calling it."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """A bias-free `nn.Linear` whose call is its weight's product alone: no adapter around it (PEFT replaces the
-    module or parametrizes its weight), no hooks (tensor-parallel plans, accelerate's offloading), no replaced
-    forward."""
+    module or parametrizes its weight), and it `runs_its_own_forward`."""
     return (
         type(module) is nn.Linear
         and module.bias is None
         and not parametrize.is_parametrized(module)
-        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+        and runs_its_own_forward(module)
     )
 
 
@@ -189,6 +194,10 @@ class KdaMoeGatedActivation(nn.Module):
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return gated_activation(gate, up, self.kind, self.gate_cap, self.up_cap)
+
+    def kernel_options(self) -> dict:
+        """The expert kernels' arguments for this activation (`moe_decode`, `grouped_experts`)."""
+        return dict(activation=self.kind, gate_cap=self.gate_cap, up_cap=self.up_cap)
 
     def extra_repr(self):
         return f"{self.kind}" + (f", b1={self.gate_cap}, b2={self.up_cap}" if self.kind == "situ" else "")
@@ -1173,8 +1182,8 @@ def with_expert_kernels(experts_class: type[nn.Module]) -> type[nn.Module]:
         else:
             return implementation_forward(self, hidden_states, top_k_index, top_k_weights)
         return expert_kernel(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation=self.act_fn.kind,
-            gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+            **self.act_fn.kernel_options(), backend="triton",
         )
 
     experts_class.forward = forward
@@ -1282,8 +1291,7 @@ class KdaMoeExperts(nn.Module):
         packed = (Mxfp4Weight.from_rows(self.gate_up_proj), Mxfp4Weight.from_rows(self.down_proj))
         if resolve_backend(self.backend, hidden_states, self.gate_up_proj, self.down_proj) == "triton":
             return grouped_experts(
-                hidden_states, top_k_index, top_k_weights, *packed, activation=self.act_fn.kind,
-                gate_cap=self.act_fn.gate_cap, up_cap=self.act_fn.up_cap, backend="triton",
+                hidden_states, top_k_index, top_k_weights, *packed, **self.act_fn.kernel_options(), backend="triton",
             )
         decoded = (dequantize_mxfp4(*weight, hidden_states.dtype) for weight in packed)
         return self.loop_over_experts(hidden_states, top_k_index, top_k_weights, *decoded)
@@ -1348,14 +1356,15 @@ class KdaMoeSparseMoeBlock(nn.Module):
     def fuses_shared_expert(self, tokens: torch.Tensor) -> bool:
         """Whether the routed experts' decode kernel also runs the shared expert (its output joins the same sums):
         no latent projection (both at the hidden width), routed experts that `takes_decode_kernel` and a shared
-        expert of plain linears (`is_plain_linear`) whose weights the kernel takes and no gradient needs, neither module
-        hooked (offloading, parallel plans)."""
+        expert of plain linears (`is_plain_linear`) whose weights the kernel takes and no gradient needs, both modules
+        `runs_its_own_forward`."""
         shared, experts = self.shared_experts, self.experts
         return (
             shared is not None
             and self.latent_down_proj is None
             and not experts.is_mxfp4
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in (shared, experts))
+            and runs_its_own_forward(shared)
+            and runs_its_own_forward(experts)
             and all(is_plain_linear(linear) for linear in (shared.gate_proj, shared.up_proj, shared.down_proj))
             and fits_decode_kernel(tokens, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
             and not (torch.is_grad_enabled() and any(weight.requires_grad for weight in shared.parameters()))
@@ -1367,10 +1376,10 @@ class KdaMoeSparseMoeBlock(nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_indices = self.gate(tokens)
         if self.fuses_shared_expert(tokens):
-            experts, shared, act = self.experts, self.shared_experts, self.experts.act_fn
+            experts, shared = self.experts, self.shared_experts
             output = moe_decode(
                 tokens, topk_indices, topk_weights.to(tokens.dtype), experts.gate_up_proj, experts.down_proj,
-                activation=act.kind, gate_cap=act.gate_cap, up_cap=act.up_cap,
+                **experts.act_fn.kernel_options(),
                 shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight), backend="triton",
             )
             return output.view(shape)
