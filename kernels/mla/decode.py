@@ -125,21 +125,26 @@ def _mla_split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
 
 
 @triton.jit
-def _mla_combine_kernel(part_o, part_lse, o, n_splits, ROWS: tl.constexpr, L: tl.constexpr, DL: tl.constexpr):
-    """Row i_r of sequence i_b: the splits' partial outputs weighted by their share of the softmax sum."""
+def _mla_combine_kernel(part_o, part_lse, o, n_splits, ROWS: tl.constexpr, L: tl.constexpr, DL: tl.constexpr,
+                        NS: tl.constexpr, SB: tl.constexpr):
+    """Row i_r of sequence i_b: the splits' partial outputs weighted by their share of the softmax sum. The weights
+    come from all ``NS >= n_splits`` log-sum-exps at once; the partial outputs are summed ``SB`` splits a step, each
+    step's loads independent of the others."""
     i_r, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_l = tl.arange(0, DL)
     first = i_b * n_splits * ROWS + i_r  # the row in split 0; split s is s * ROWS further
-    m = tl.full([], float("-inf"), tl.float32)
-    for s in range(n_splits):
-        m = tl.maximum(m, tl.load(part_lse + first + s * ROWS))
+    splits = tl.arange(0, NS)
+    lse = tl.load(part_lse + first + splits * ROWS, mask=splits < n_splits, other=float("-inf"))  # [NS]
+    m = tl.max(lse, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse - m_ref), axis=0)
     acc = tl.zeros([DL], tl.float32)
-    total = tl.zeros([], tl.float32)
-    for s in range(n_splits):
-        w = tl.exp(tl.load(part_lse + first + s * ROWS) - m_ref)
-        acc += w * tl.load(part_o + (first + s * ROWS) * L + o_l, mask=o_l < L, other=0.0)
-        total += w
+    for s0 in range(0, n_splits, SB):
+        s = s0 + tl.arange(0, SB)
+        w = tl.exp(tl.load(part_lse + first + s * ROWS, mask=s < n_splits, other=float("-inf")) - m_ref)  # [SB]
+        part = tl.load(part_o + (first + s * ROWS)[:, None] * L + o_l[None, :],
+                       mask=(s < n_splits)[:, None] & (o_l < L)[None, :], other=0.0)  # [SB, DL]
+        acc += tl.sum(w[:, None] * part, axis=0)
     tl.store(o + (i_b * ROWS + i_r) * L + o_l, (acc / tl.where(total > 0, total, 1.0)).to(o.dtype.element_ty),
              mask=o_l < L)
 
@@ -170,8 +175,10 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
         BM=launch.block_m, BN=launch.block_n, MASK=kind, WRITE_LSE=n_splits > 1,
         PREC="ieee" if latent.dtype == torch.float32 else "tf32", num_warps=launch.warps, num_stages=launch.stages)
     if n_splits > 1:
-        _mla_combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L,
-                                       DL=max(16, triton.next_power_of_2(L)), num_warps=4)
+        DL = max(16, triton.next_power_of_2(L))
+        _mla_combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L, DL=DL,
+                                       NS=max(16, triton.next_power_of_2(n_splits)), SB=max(1, 4096 // DL),
+                                       num_warps=4)
     return out
 
 

@@ -1,0 +1,161 @@
+"""The absorbed-MLA decode attention of a decoding step on the GPU: the Triton kernel (split over the cache, then
+combined) against its PyTorch reference, with the copy bandwidth measured in the same run.
+
+    python benchmarks/mla_decode.py OUTDIR [shapes=anchor,k3] [batches=1,8,32,128] [contexts=2048,32768] [tune]
+                                                                                           (kda_moe importable)
+
+Shapes (bf16, one new token a sequence): ``anchor`` = benchmarks/model.py's anchor config's MLA (8 heads, latent 256,
+rotary 32); ``k3`` = K3's (96 heads, latent 512, rotary 64). The cache holds ``context`` positions, the last 32 masked
+out by a bool mask as a static cache's unfilled room is. Per row, microseconds per call replayed from a CUDA graph:
+
+- ``ours``: ``mla_decode_attention`` on the Triton backend (``mla_decode_launch``'s pick, named in ``launch``);
+- ``reference``: the PyTorch reference (fp32 scores over the whole cache).
+
+``cache_MB`` is the latent + rotary cache a call reads; ``ours_GBps`` = those bytes / our time, ``ours_of_copy`` its
+share of the copy bandwidth; ``rel_err`` our error against the fp32 reference. ``tune`` also times other launch
+settings (block of positions, warps, tiles per split) at every row.
+
+Writes OUTDIR/mla_decode.json after every row (a run cut short keeps what it measured) and OUTDIR/mla_decode.md.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from kda_moe.kernels.mla import decode, mla_decode_attention
+
+dev = "cuda"
+DTYPE = torch.bfloat16
+SHAPES = {"anchor": (8, 256, 32), "k3": (96, 512, 64)}  # heads, latent, rotary
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (2048, 32768)
+UNFILLED = 32  # masked positions at the cache's end
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def copy_GBps() -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second) on 1 GiB."""
+    src = torch.empty(2**29, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph after a warm-up call; returns the replay."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def attention_inputs(B, S, H, L, R, seed=0):
+    """q_latent [B, H, 1, L], q_rope [B, H, 1, R], latent [B, 1, S, L], k_rope [B, 1, S, R], mask [B, 1, 1, S]."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shapes = [(B, H, 1, L), (B, H, 1, R), (B, 1, S, L), (B, 1, S, R)]
+    tensors = [torch.randn(*shape, generator=gen, device=dev, dtype=DTYPE) for shape in shapes]
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)
+    mask[..., S - UNFILLED:] = False
+    return (*tensors, mask)
+
+
+def launches(B, H, S, L):
+    """``mla_decode_launch``'s pick first, then other settings of positions per tile, warps and tiles per split."""
+    picked = decode.mla_decode_launch(B, H, S, L, DTYPE, decode.multiprocessor_count(torch.device(dev)))
+    others = [dataclasses.replace(picked, block_n=bn, warps=w, split_len=tiles * bn)
+              for bn in (32, 64) for w in (2, 4, 8) for tiles in (1, 2, 4, 8)]
+    return [picked] + [launch for launch in others if launch != picked]
+
+
+def describe(launch) -> str:
+    return f"m{launch.block_m} n{launch.block_n} w{launch.warps} split {launch.split_len}"
+
+
+def row(name, B, S, GBps, tune):
+    H, L, R = SHAPES[name]
+    q_latent, q_rope, latent, k_rope, mask = attention_inputs(B, S, H, L, R)
+    scale = (L // 2 + R) ** -0.5
+    cache_bytes = (latent.numel() + k_rope.numel()) * latent.element_size()
+    launch = decode.mla_decode_launch(B, H, S, L, DTYPE, decode.multiprocessor_count(latent.device))
+    d = dict(shape=name, B=B, S=S, H=H, L=L, R=R, cache_MB=cache_bytes / 1e6, launch=describe(launch),
+             splits=-(-S // launch.split_len))
+
+    def ours():
+        return mla_decode_attention(q_latent, q_rope, latent, k_rope, mask, scale=scale, backend="triton")
+
+    def reference():
+        return mla_decode_attention(q_latent, q_rope, latent, k_rope, mask, scale=scale, backend="torch")
+
+    with torch.no_grad():
+        expected = mla_decode_attention(q_latent.float(), q_rope.float(), latent.float(), k_rope.float(), mask,
+                                        scale=scale, backend="torch")
+        d["rel_err"] = ((ours().float() - expected).norm() / expected.norm()).item()
+        d["ours_us"] = 1e3 * bench(graphed(ours))
+        d["ours_GBps"] = cache_bytes / d["ours_us"] / 1e3
+        d["ours_of_copy"] = d["ours_GBps"] / GBps
+        if B * H * S * 4 < 4e9:  # the reference's fp32 scores
+            d["reference_us"] = 1e3 * bench(graphed(reference))
+        if tune:
+            d["launch_us"] = {}
+            for other in launches(B, H, S, L):
+                call = lambda other=other: decode.launch_mla_decode(  # noqa: E731
+                    q_latent, q_rope, latent, k_rope, mask, scale, other)
+                d["launch_us"][describe(other)] = 1e3 * bench(graphed(call))
+    return d
+
+
+COLUMNS = ["shape", "B", "S", "cache_MB", "launch", "splits", "ours_us", "ours_GBps", "ours_of_copy", "reference_us",
+           "rel_err"]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def table(rows, GBps) -> str:
+    def cell(value):
+        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = [f"copy bandwidth {GBps:.0f} GB/s; {device_name()}", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    tuned = [r for r in rows if "launch_us" in r]
+    if tuned:
+        lines += ["", "Launch settings, us per call (graphed), fastest first:", ""]
+        for r in tuned:
+            ranked = sorted(r["launch_us"].items(), key=lambda item: item[1])
+            lines.append(f"- {r['shape']} B={r['B']} S={r['S']}: "
+                         + "; ".join(f"{name} {us:.1f}" for name, us in ranked[:6])
+                         + f" (pick: {r['launch_us'][r['launch']]:.1f})")
+    return "\n".join(lines)
+
+
+def main(out):
+    args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
+    shapes = args.get("shapes", ",".join(SHAPES)).split(",")
+    batches = [int(n) for n in args.get("batches", ",".join(map(str, BATCHES))).split(",")]
+    contexts = [int(n) for n in args.get("contexts", ",".join(map(str, CONTEXTS))).split(",")]
+    os.makedirs(out, exist_ok=True)
+    GBps = copy_GBps()
+    rows = []
+    for name in shapes:
+        for S in contexts:
+            for B in batches:
+                rows.append(row(name, B, S, GBps, "tune" in sys.argv[2:]))
+                print(rows[-1], flush=True)
+                with open(os.path.join(out, "mla_decode.json"), "w") as f:
+                    json.dump(dict(copy_GBps=GBps, device=device_name(), rows=rows), f, indent=1)
+    with open(os.path.join(out, "mla_decode.md"), "w") as f:
+        f.write(table(rows, GBps) + "\n")
+    print(table(rows, GBps))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
