@@ -26,6 +26,7 @@ class ProjectionLaunch:
     block_out: int  # output channels per program
     block_k: int  # reduction slice per loop step
     warps: int  # warps per program
+    stages: int  # software-pipeline depth of the reduction loop's loads
 
 
 def projection_launch(tokens: int, hidden: int, dtype: torch.dtype) -> ProjectionLaunch:
@@ -37,6 +38,7 @@ def projection_launch(tokens: int, hidden: int, dtype: torch.dtype) -> Projectio
         block_out=16,
         block_k=min(256 // element, max(16, triton.next_power_of_2(hidden))),
         warps=4,
+        stages=3,
     )
 
 
@@ -91,7 +93,7 @@ def launch_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
     widths = [w.shape[0] for w in weights] + [0] * unused
     grid = (sum(triton.cdiv(n, launch.block_out) for n in widths),)
     _projections_kernel[grid](hidden_states, *pointers, N, *widths, K=K, ROWS=launch.rows, BN=launch.block_out,
-                              BK=launch.block_k, num_warps=launch.warps)
+                              BK=launch.block_k, num_warps=launch.warps, num_stages=launch.stages)
     return outputs
 
 
