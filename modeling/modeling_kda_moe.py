@@ -618,19 +618,24 @@ class KdaMoeStaticLinearAttentionCacheLayer(KdaMoeStateLayer):
     and the token count, in tensors allocated once (with the cache, or at the first forward) and from then on updated
     in place. Their addresses never change, so a compiled decode step updates them as static inputs and a CUDA graph
     replays it. It keeps no past states, so it cannot be cropped (assisted decoding needs a `KdaMoeCache`).
+
+    Every KDA layer of a cache sees the same tokens: the first (`counting_layer`) counts them and the others share its
+    count, one in-place add a forward instead of one a layer.
     """
 
     is_croppable = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, counting_layer: "KdaMoeStaticLinearAttentionCacheLayer | None" = None, **kwargs):
         super().__init__(**kwargs)
+        self.counting_layer = counting_layer or self
         self.tokens_seen = torch.zeros((), dtype=torch.long)  # a tensor: a compiled step counts without recompiling
 
     def allocate(self, conv_shape: tuple[int, ...], recurrent_shape: tuple[int, ...], dtype, device) -> None:
         """Allocate the zeroed state tensors: conv state in `dtype`, recurrent state in fp32."""
         self.conv_states[0] = torch.zeros(conv_shape, dtype=dtype, device=device)
         self.recurrent_states[0] = torch.zeros(recurrent_shape, dtype=torch.float32, device=device)
-        self.tokens_seen = self.tokens_seen.to(device)
+        # the counting layer allocates first (the cache's and a forward's layer order)
+        self.tokens_seen = self.tokens_seen.to(device) if self.counts_tokens else self.counting_layer.tokens_seen
         for tensor in (self.conv_states[0], self.recurrent_states[0], self.tokens_seen):
             mark_static_address(tensor)
         self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
@@ -650,7 +655,12 @@ class KdaMoeStaticLinearAttentionCacheLayer(KdaMoeStateLayer):
             self.recurrent_states[0].copy_(recurrent_state)
         if not self.has_previous_state[0]:
             self.has_previous_state[0] = True
-        self.tokens_seen.add_(new_tokens)
+        if self.counts_tokens:
+            self.tokens_seen.add_(new_tokens)
+
+    @property
+    def counts_tokens(self) -> bool:
+        return self.counting_layer is self
 
     def get_seq_length(self) -> torch.Tensor | int:
         return self.tokens_seen if self.is_conv_states_initialized[0] else 0
@@ -670,7 +680,8 @@ class KdaMoeStaticLinearAttentionCacheLayer(KdaMoeStateLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.tokens_seen.zero_()
+        if self.counts_tokens:
+            self.tokens_seen.zero_()
 
 
 class KdaMoeStaticCache(StaticCache):
@@ -695,10 +706,13 @@ class KdaMoeStaticCache(StaticCache):
         **kwargs,
     ):
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
-        self.layers = [
-            KdaMoeStaticLinearAttentionCacheLayer() if isinstance(layer, LinearAttentionLayer) else layer
-            for layer in self.layers
-        ]
+        layers, counting_layer = [], None
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                layer = KdaMoeStaticLinearAttentionCacheLayer(counting_layer=counting_layer)
+                counting_layer = counting_layer or layer
+            layers.append(layer)
+        self.layers = layers
         if batch_size is not None:
             self.allocate(config.get_text_config(decoder=True), batch_size, dtype, device)
 
@@ -1377,8 +1391,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
         _, topk_weights, topk_indices = self.gate(tokens)
         if self.fuses_shared_expert(tokens):
             experts, shared = self.experts, self.shared_experts
-            output = moe_decode(
-                tokens, topk_indices, topk_weights.to(tokens.dtype), experts.gate_up_proj, experts.down_proj,
+            output = moe_decode(  # the routing weights stay fp32: the kernel multiplies in fp32
+                tokens, topk_indices, topk_weights, experts.gate_up_proj, experts.down_proj,
                 **experts.act_fn.kernel_options(),
                 shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight), backend="triton",
             )

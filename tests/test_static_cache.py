@@ -58,6 +58,13 @@ def cache_tensors(cache: KdaMoeStaticCache) -> list[torch.Tensor]:
     return tensors
 
 
+def assert_one_token_count(cache: KdaMoeStaticCache, tokens: int) -> None:
+    """The KDA layers share one count tensor (advanced once a forward, by the first of them), and it holds `tokens`."""
+    layers = [layer for layer in cache.layers if isinstance(layer, KdaMoeStaticLinearAttentionCacheLayer)]
+    assert all(layer.tokens_seen is layers[0].tokens_seen for layer in layers)
+    assert [int(layer.get_seq_length()) for layer in layers] == [tokens] * len(layers)
+
+
 class RecordCacheAddresses(LogitsProcessor):
     """Notes the addresses of the static cache's tensors after every forward of generate() (prefill and each step)."""
 
@@ -160,6 +167,7 @@ def test_generate_allocates_the_static_cache_for_batch_and_max_length(model):
         else:
             assert layer.keys.shape == (2, 1, max_length, config.kv_lora_rank)
             assert layer.values.shape == (2, 1, max_length, config.qk_rope_head_dim)
+    assert_one_token_count(cache, input_ids.shape[1] + NEW_TOKENS - 1)  # the last token is never fed back
 
 
 def test_a_static_cache_built_by_the_caller_allocates_at_the_first_forward(model):
@@ -173,6 +181,7 @@ def test_a_static_cache_built_by_the_caller_allocates_at_the_first_forward(model
         tokens = model.generate(input_ids, attention_mask=attention_mask, **{CACHE_NAME: cache}, **GREEDY)
     assert torch.equal(tokens, expected)
     assert all(tensor.shape[0] == 2 for tensor in cache_tensors(cache) if tensor.dim() > 0)
+    assert_one_token_count(cache, input_ids.shape[1] + NEW_TOKENS - 1)
 
 
 def test_static_cache_matches_the_dynamic_one_in_beam_search_and_sampling(model):
