@@ -4,9 +4,9 @@ launch) against one cuBLAS GEMM per weight, with the copy bandwidth measured in 
     python benchmarks/decode_projections.py OUTDIR [sets=kda,mla,o_proj] [tokens=1,8,16] [tune]  (kda_moe importable)
 
 Weight sets (bf16, benchmarks/model.py's anchor config): ``kda`` = a KDA layer's six (q, k, v 1024 x 1024, the forget
-and output gates' first factors 128 x 1024, beta 8 x 1024); ``mla`` = an MLA layer's three (query 768, latent +
-rotary key 288, output gate 512, each x 1024); ``o_proj`` = one 1024 x 1024 weight. Per set and token count,
-microseconds per call replayed from a CUDA graph:
+and output gates' first factors 128 x 1024, beta 8 x 1024; q | k | v written side by side); ``mla`` = an MLA layer's
+three (query 768, latent + rotary key 288, output gate 512, each x 1024); ``o_proj`` = one 1024 x 1024 weight. Per set
+and token count, microseconds per call replayed from a CUDA graph:
 
 - ``ours``: ``decode_projections`` on the Triton backend (``projection_launch``'s pick, named in ``launch``);
 - ``cublas``: ``F.linear`` once per weight.
@@ -32,7 +32,8 @@ from kda_moe.kernels.linear import decode, decode_projections
 dev = "cuda"
 DTYPE = torch.bfloat16
 HIDDEN = 1024
-SETS = {"kda": (1024, 1024, 1024, 128, 128, 8), "mla": (768, 288, 512), "o_proj": (1024,)}  # output widths
+SETS = {"kda": (1024, 1024, 1024, 128, 8, 128), "mla": (768, 288, 512), "o_proj": (1024,)}  # output widths
+GROUPS = {"kda": [3, 1, 1, 1]}  # q | k | v leave the kernel as one tensor, as the model asks
 TOKENS = (1, 8, 16)
 
 
@@ -77,7 +78,7 @@ def row(name, N, GBps, tune):
     d = dict(set=name, N=N, weights=len(weights), weight_MB=weight_bytes / 1e6, launch=describe(launch))
 
     def ours():
-        return decode_projections(x, weights, backend="triton")
+        return decode_projections(x, weights, backend="triton", group_sizes=GROUPS.get(name))
 
     def cublas():
         return [F.linear(x, w) for w in weights]
@@ -92,7 +93,8 @@ def row(name, N, GBps, tune):
         if tune:
             d["launch_us"] = {}
             for other in launches(N):
-                call = lambda other=other: decode.launch_projections(x, weights, other)  # noqa: E731
+                call = lambda other=other: decode.launch_projections(  # noqa: E731
+                    x, weights, other, GROUPS.get(name))
                 try:
                     d["launch_us"][describe(other)] = 1e3 * bench(graphed(call))
                 except Exception as error:  # e.g. more shared memory than a multiprocessor has

@@ -118,22 +118,28 @@ def is_plain_linear(module: nn.Module) -> bool:
     )
 
 
-def linear_projections(hidden_states: torch.Tensor, *linears: nn.Module, backend: str) -> tuple[torch.Tensor, ...]:
-    """Each of `linears` applied to `hidden_states` [..., d]. A decoding step's few tokens go through
-    `decode_projections`, one launch for all of them, when the backend resolves to Triton, every module
-    `is_plain_linear` and the kernel takes the tensors (`fits_projection_kernel`) outside autograd and autocast;
-    anything else calls the modules one by one."""
+def linear_projections(
+    hidden_states: torch.Tensor, *linears: nn.Module | tuple[nn.Module, ...], backend: str
+) -> tuple[torch.Tensor, ...]:
+    """Each of `linears` applied to `hidden_states` [..., d]; a tuple of modules gives one output, their products
+    side by side (a KDA layer's q | k | v, the input of its short conv). A decoding step's few tokens go through
+    `decode_projections`, one launch for all of them that writes each tuple's products into one tensor, when the
+    backend resolves to Triton, every module `is_plain_linear` and the kernel takes the tensors
+    (`fits_projection_kernel`) outside autograd and autocast; anything else calls the modules one by one."""
+    groups = [item if isinstance(item, tuple) else (item,) for item in linears]
+    modules = [linear for group in groups for linear in group]
     rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, d]
-    weights = [linear.weight for linear in linears]
+    weights = [linear.weight for linear in modules]
     if (
-        not all(map(is_plain_linear, linears))
+        not all(map(is_plain_linear, modules))
         or not fits_projection_kernel(rows, weights)
         or (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
         or torch.is_autocast_enabled(hidden_states.device.type)
         or resolve_backend(backend, hidden_states, *weights) != "triton"
     ):
-        return tuple(linear(hidden_states) for linear in linears)
-    outputs = decode_projections(rows, weights, backend="triton")
+        products = [[linear(hidden_states) for linear in group] for group in groups]
+        return tuple(group[0] if len(group) == 1 else torch.cat(group, dim=-1) for group in products)
+    outputs = decode_projections(rows, weights, backend="triton", group_sizes=[len(group) for group in groups])
     return tuple(output.view(*hidden_states.shape[:-1], -1) for output in outputs)
 
 
@@ -839,17 +845,16 @@ class KdaMoeDeltaAttention(nn.Module):
             # decay and write strength become exactly 0 (the most negative logit saturates both gates to 0).
             pad = ~attention_mask.bool()[..., None]
             hidden_states = hidden_states.masked_fill(pad, 0.0)
-        # the six projections of the input, in one launch for a decoding step's few tokens: q, k and v before the
-        # conv, the decay gate's low-rank factor, beta, and the output gate (or its low-rank factor)
+        # the six projections of the input, in one launch for a decoding step's few tokens: q | k | v side by side
+        # (the conv's input), the decay gate's low-rank factor, beta, and the output gate (or its low-rank factor)
         output_gate_proj = self.g_proj if self.g_proj is not None else self.g_a_proj
-        q_in, k_in, v_in, gate_low_rank, beta_logits, output_gate = linear_projections(
-            hidden_states, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, output_gate_proj,
+        conv_inputs, gate_low_rank, beta_logits, output_gate = linear_projections(
+            hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj, output_gate_proj,
             backend=self.backend,
         )
         if attention_mask is not None:
             beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
 
-        conv_inputs = torch.cat([q_in, k_in, v_in], dim=-1)
         # Under tensor parallelism every per-head tensor holds this rank's heads only: widths come from the tensors.
         width = conv_inputs.shape[-1] // 3
         head_shape = (batch_size, seq_len, width // self.head_dim, self.head_dim)

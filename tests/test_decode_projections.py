@@ -48,6 +48,22 @@ def test_kernel_matches_f_linear_in_fp32(tokens, count):
         assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_grouped_weights_leave_as_one_tensor_of_their_products_side_by_side(backend):
+    """``group_sizes=[3, 1, 2]``: the first three products in one ``[N, 40 + 8 + 17]`` tensor (contiguous, as the
+    short conv reads it), then the fourth alone, then the last two side by side; the same on both backends."""
+    x, weights = weights_and_input(5)
+    outputs = decode_projections(x, weights, backend=backend, group_sizes=[3, 1, 2])
+    expected = [torch.cat([F.linear(x.double(), w.double()) for w in group], dim=-1)
+                for group in (weights[:3], weights[3:4], weights[4:])]
+    assert [out.shape for out in outputs] == [(5, 65), (5, 64), (5, 21)]
+    assert all(out.is_contiguous() for out in outputs)
+    for out, reference in zip(outputs, expected):
+        assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()
+    with pytest.raises(ValueError, match="group_sizes must be positive and add up to the 6 weights"):
+        decode_projections(x, weights, backend=backend, group_sizes=[3, 2])
+
+
 def test_bf16_rounds_the_fp32_sum_once(monkeypatch):
     """bf16 inputs, fp32 accumulation, one rounding of the result (as cuBLAS): each output within one bf16 rounding
     (2^-8 relative) of the float64 product."""
@@ -92,8 +108,10 @@ def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
     """The custom op's fake gives the outputs' shapes (what torch.compile traces); without autograd the wrapper calls
     the launch code directly, with the op's result."""
     x, weights = weights_and_input(3)
-    torch.library.opcheck(decode.decode_projections_op, (x, weights), test_utils=("test_schema", "test_faketensor"))
-    dispatched = decode.decode_projections_op(x, weights)
+    for group_sizes in ([1] * len(weights), [3, 1, 2]):
+        torch.library.opcheck(decode.decode_projections_op, (x, weights, group_sizes),
+                              test_utils=("test_schema", "test_faketensor"))
+    dispatched = decode.decode_projections_op(x, weights, [1] * len(weights))
 
     def fail(*args):
         raise AssertionError("the projection op went through the dispatcher without autograd")
@@ -107,7 +125,7 @@ def count_kernel_calls(monkeypatch) -> list:
     calls = []
     kernel = linear.decode_projections_triton
     monkeypatch.setattr(linear, "decode_projections_triton",
-                        lambda x, w: calls.append((x.shape[0], len(w))) or kernel(x, w))
+                        lambda x, w, groups: calls.append((x.shape[0], len(w))) or kernel(x, w, groups))
     return calls
 
 

@@ -8,6 +8,9 @@ into a few dozen tiles only, so each launch reads its weight with a fraction of 
 i - 1's), each streams its ``[BN, d]`` rows once, against all token rows (padded to 16, tl.dot's least M), with fp32
 accumulation (fp32 inputs multiply in full fp32, not tf32), and stores its block rounded to the input dtype. No host
 reads, fixed grid: torch.compile keeps the custom op and a CUDA graph replays it.
+
+Consecutive weights can share one output, their products side by side (``group_sizes``): a KDA layer's q, k and v
+leave the kernel as the one ``[N, 3 * H * K]`` tensor its short conv reads, with no concatenation after it.
 """
 
 from dataclasses import dataclass
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
-from .limits import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, fits_projection_kernel
+from .limits import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, fits_projection_kernel, split_groups
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ def projection_launch(tokens: int, hidden: int, dtype: torch.dtype) -> Projectio
 
 
 @triton.jit
-def _project_block(x, w, o, block, N, n, K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Output channels ``block * BN + [0, BN)`` of ``o [N, n] = x [N, K] @ w [n, K]^T``."""
+def _project_block(x, w, o, block, N, n, K: tl.constexpr, LD: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """Output channels ``block * BN + [0, BN)`` of ``o [N, n] = x [N, K] @ w [n, K]^T``; o's rows ``LD`` apart."""
     o_t = tl.arange(0, ROWS)
     o_n = block * BN + tl.arange(0, BN)
     m_t, m_n = o_t < N, o_n < n
@@ -55,13 +59,15 @@ def _project_block(x, w, o, block, N, n, K: tl.constexpr, ROWS: tl.constexpr, BN
         bx = tl.load(x + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bw = tl.load(w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         acc = tl.dot(bx, tl.trans(bw), acc, input_precision="ieee")
-    tl.store(o + o_t[:, None] * n + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_n[None, :])
+    tl.store(o + o_t[:, None] * LD + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_n[None, :])
 
 
 @triton.jit
 def _projections_kernel(x, w0, o0, w1, o1, w2, o2, w3, o3, w4, o4, w5, o5, N,
                         n0: tl.constexpr, n1: tl.constexpr, n2: tl.constexpr, n3: tl.constexpr, n4: tl.constexpr,
-                        n5: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        n5: tl.constexpr, ld0: tl.constexpr, ld1: tl.constexpr, ld2: tl.constexpr,
+                        ld3: tl.constexpr, ld4: tl.constexpr, ld5: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
     # the first program of each weight's blocks (weights beyond the call's count have n = 0: no blocks)
     s1: tl.constexpr = (n0 + BN - 1) // BN
     s2: tl.constexpr = s1 + (n1 + BN - 1) // BN
@@ -70,49 +76,59 @@ def _projections_kernel(x, w0, o0, w1, o1, w2, o2, w3, o3, w4, o4, w5, o5, N,
     s5: tl.constexpr = s4 + (n4 + BN - 1) // BN
     pid = tl.program_id(0)
     if pid < s1:
-        _project_block(x, w0, o0, pid, N, n0, K, ROWS, BN, BK)
+        _project_block(x, w0, o0, pid, N, n0, K, ld0, ROWS, BN, BK)
     elif pid < s2:
-        _project_block(x, w1, o1, pid - s1, N, n1, K, ROWS, BN, BK)
+        _project_block(x, w1, o1, pid - s1, N, n1, K, ld1, ROWS, BN, BK)
     elif pid < s3:
-        _project_block(x, w2, o2, pid - s2, N, n2, K, ROWS, BN, BK)
+        _project_block(x, w2, o2, pid - s2, N, n2, K, ld2, ROWS, BN, BK)
     elif pid < s4:
-        _project_block(x, w3, o3, pid - s3, N, n3, K, ROWS, BN, BK)
+        _project_block(x, w3, o3, pid - s3, N, n3, K, ld3, ROWS, BN, BK)
     elif pid < s5:
-        _project_block(x, w4, o4, pid - s4, N, n4, K, ROWS, BN, BK)
+        _project_block(x, w4, o4, pid - s4, N, n4, K, ld4, ROWS, BN, BK)
     else:
-        _project_block(x, w5, o5, pid - s5, N, n5, K, ROWS, BN, BK)
+        _project_block(x, w5, o5, pid - s5, N, n5, K, ld5, ROWS, BN, BK)
 
 
-def launch_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
-                       launch: ProjectionLaunch) -> list[torch.Tensor]:
-    """The kernel on contiguous hidden states ``[N, d]`` and weights ``[n_i, d]``; returns the ``[N, n_i]``."""
+def launch_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor], launch: ProjectionLaunch,
+                       group_sizes: list[int] | None = None) -> list[torch.Tensor]:
+    """The kernel on contiguous hidden states ``[N, d]`` and weights ``[n_i, d]``; returns one ``[N, sum n_i]`` per
+    group of ``group_sizes`` consecutive weights (default: one weight a group)."""
     N, K = hidden_states.shape
-    outputs = [hidden_states.new_empty(N, w.shape[0]) for w in weights]
+    outputs, slices = [], []  # the groups' outputs; each weight's columns in its group's output
+    for group in split_groups(weights, group_sizes):
+        outputs.append(hidden_states.new_empty(N, sum(w.shape[0] for w in group)))
+        slices += outputs[-1].split([w.shape[0] for w in group], dim=1)
     unused = MAX_PROJECTIONS - len(weights)  # pointers never read: the first weight and output, with n = 0
-    pointers = [t for pair in zip(weights, outputs) for t in pair] + [weights[0], outputs[0]] * unused
+    pointers = [t for pair in zip(weights, slices) for t in pair] + [weights[0], slices[0]] * unused
     widths = [w.shape[0] for w in weights] + [0] * unused
+    row_strides = [out.stride(0) for out in slices] + [0] * unused
     grid = (sum(triton.cdiv(n, launch.block_out) for n in widths),)
-    _projections_kernel[grid](hidden_states, *pointers, N, *widths, K=K, ROWS=launch.rows, BN=launch.block_out,
-                              BK=launch.block_k, num_warps=launch.warps, num_stages=launch.stages)
+    _projections_kernel[grid](hidden_states, *pointers, N, *widths, *row_strides, K=K, ROWS=launch.rows,
+                              BN=launch.block_out, BK=launch.block_k, num_warps=launch.warps,
+                              num_stages=launch.stages)
     return outputs
 
 
-def _projections(hidden_states: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return launch_projections(hidden_states, weights, projection_launch(*hidden_states.shape, hidden_states.dtype))
+def _projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
+                 group_sizes: list[int]) -> list[torch.Tensor]:
+    launch = projection_launch(*hidden_states.shape, hidden_states.dtype)
+    return launch_projections(hidden_states, weights, launch, group_sizes)
 
 
 decode_projections_op = torch.library.custom_op("kda_moe::decode_projections", _projections, mutates_args=())
 
 
 @decode_projections_op.register_fake
-def _(hidden_states, weights):
-    return [hidden_states.new_empty(hidden_states.shape[0], w.shape[0]) for w in weights]
+def _(hidden_states, weights, group_sizes):
+    return [hidden_states.new_empty(hidden_states.shape[0], sum(w.shape[0] for w in group))
+            for group in split_groups(weights, group_sizes)]
 
 
-def decode_projections_triton(hidden_states: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``[hidden_states @ w.T for w in weights]`` in one launch: hidden_states ``[N, d]`` (N <=
-    ``MAX_PROJECTION_TOKENS``), one to ``MAX_PROJECTIONS`` contiguous weights ``[n_i, d]`` of its dtype. Decoding only:
-    no backward."""
+def decode_projections_triton(hidden_states: torch.Tensor, weights: list[torch.Tensor],
+                              group_sizes: list[int] | None = None) -> list[torch.Tensor]:
+    """``[hidden_states @ w.T for w in weights]`` in one launch, the products of each group of ``group_sizes``
+    consecutive weights concatenated: hidden_states ``[N, d]`` (N <= ``MAX_PROJECTION_TOKENS``), one to
+    ``MAX_PROJECTIONS`` contiguous weights ``[n_i, d]`` of its dtype. Decoding only: no backward."""
     if not fits_projection_kernel(hidden_states, weights):
         raise ValueError(
             f"the Triton projection kernel takes hidden states [N, d] of at most {MAX_PROJECTION_TOKENS} rows in bf16, "
@@ -122,4 +138,5 @@ def decode_projections_triton(hidden_states: torch.Tensor, weights: list[torch.T
             "for more rows, and pass weights that match."
         )
     refuse_autograd("the Triton projection kernel", [hidden_states, *weights], "the linear layers one by one")
-    return op_for_call(decode_projections_op, _projections)(hidden_states.contiguous(), list(weights))
+    group_sizes = list(group_sizes or [1] * len(weights))
+    return op_for_call(decode_projections_op, _projections)(hidden_states.contiguous(), list(weights), group_sizes)

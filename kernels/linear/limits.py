@@ -25,3 +25,13 @@ def fits_projection_kernel(hidden_states: torch.Tensor, weights: list[torch.Tens
             for w in weights
         )
     )
+
+
+def split_groups(weights: list, group_sizes: list[int] | None) -> list[list]:
+    """``weights`` cut into consecutive groups of ``group_sizes`` (None: one each), the groups whose products leave
+    ``decode_projections`` as one tensor."""
+    groups, start = [], 0
+    for size in group_sizes or [1] * len(weights):
+        groups.append(weights[start : start + size])
+        start += size
+    return groups
