@@ -19,13 +19,11 @@ Writes OUTDIR/decode_projections.json after every row and OUTDIR/decode_projecti
 """
 
 import dataclasses
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from kernel_timing import bench, graphed, run, sweep
 
 from kda_moe.kernels.linear import decode, decode_projections
 
@@ -35,26 +33,6 @@ HIDDEN = 1024
 SETS = {"kda": (1024, 1024, 1024, 128, 8, 128), "mla": (768, 288, 512), "o_proj": (1024,)}  # output widths
 GROUPS = {"kda": [3, 1, 1, 1]}  # q | k | v leave the kernel as one tensor, as the model asks
 TOKENS = (1, 8, 16)
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100)
-
-
-def copy_GBps() -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second) on 1 GiB."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph after a warm-up call; returns the replay."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def launches(tokens):
@@ -91,57 +69,21 @@ def row(name, N, GBps, tune):
         d["ours_of_copy"] = d["ours_GBps"] / GBps
         d["cublas_us"] = 1e3 * bench(graphed(cublas))
         if tune:
-            d["launch_us"] = {}
-            for other in launches(N):
-                call = lambda other=other: decode.launch_projections(  # noqa: E731
-                    x, weights, other, GROUPS.get(name))
-                try:
-                    d["launch_us"][describe(other)] = 1e3 * bench(graphed(call))
-                except Exception as error:  # e.g. more shared memory than a multiprocessor has
-                    print(f"  {describe(other)}: {type(error).__name__}: {str(error)[:100]}", flush=True)
+            d["launch_us"] = sweep(launches(N), describe,
+                                   lambda launch: decode.launch_projections(x, weights, launch, GROUPS.get(name)))
     return d
 
 
 COLUMNS = ["set", "N", "weights", "weight_MB", "launch", "ours_us", "ours_GBps", "ours_of_copy", "cublas_us", "rel_err"]
 
 
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def table(rows, GBps) -> str:
-    def cell(value):
-        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    lines = [f"copy bandwidth {GBps:.0f} GB/s; {device_name()}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    tuned = [r for r in rows if "launch_us" in r]
-    if tuned:
-        lines += ["", "Launch settings, us per call (graphed), fastest first:", ""]
-        for r in tuned:
-            ranked = sorted(r["launch_us"].items(), key=lambda item: item[1])
-            lines.append(f"- {r['set']} N={r['N']}: " + "; ".join(f"{name} {us:.1f}" for name, us in ranked[:6])
-                         + f" (pick: {r['launch_us'][r['launch']]:.1f})")
-    return "\n".join(lines)
-
-
 def main(out):
     args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
     sets = args.get("sets", ",".join(SETS)).split(",")
     tokens = [int(n) for n in args.get("tokens", ",".join(map(str, TOKENS))).split(",")]
-    os.makedirs(out, exist_ok=True)
-    GBps = copy_GBps()
-    rows = []
-    for name in sets:
-        for N in tokens:
-            rows.append(row(name, N, GBps, "tune" in sys.argv[2:]))
-            print(rows[-1], flush=True)
-            with open(os.path.join(out, "decode_projections.json"), "w") as f:
-                json.dump(dict(copy_GBps=GBps, device=device_name(), rows=rows), f, indent=1)
-    with open(os.path.join(out, "decode_projections.md"), "w") as f:
-        f.write(table(rows, GBps) + "\n")
-    print(table(rows, GBps))
+    tune = "tune" in sys.argv[2:]
+    run(out, "decode_projections", COLUMNS, lambda r: f"{r['set']} N={r['N']}",
+        lambda GBps: (row(name, N, GBps, tune) for name in sets for N in tokens))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ Writes OUTDIR/mla_decode.json after every row (a run cut short keeps what it mea
 """
 
 import dataclasses
-import json
-import os
 import sys
 
 import torch
-from triton.testing import do_bench
+from kernel_timing import bench, graphed, run, sweep
 
+from kda_moe.kernels.backend import multiprocessor_count
 from kda_moe.kernels.mla import decode, mla_decode_attention
 
 dev = "cuda"
@@ -34,26 +33,6 @@ SHAPES = {"anchor": (8, 256, 32), "k3": (96, 512, 64)}  # heads, latent, rotary
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (2048, 32768)
 UNFILLED = 32  # masked positions at the cache's end
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100)
-
-
-def copy_GBps() -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second) on 1 GiB."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph after a warm-up call; returns the replay."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def attention_inputs(B, S, H, L, R, seed=0):
@@ -68,7 +47,7 @@ def attention_inputs(B, S, H, L, R, seed=0):
 
 def launches(B, H, S, L):
     """``mla_decode_launch``'s pick first, then other settings of positions per tile, warps and tiles per split."""
-    picked = decode.mla_decode_launch(B, H, S, L, DTYPE, decode.multiprocessor_count(torch.device(dev)))
+    picked = decode.mla_decode_launch(B, H, S, L, DTYPE, multiprocessor_count(torch.device(dev)))
     others = [dataclasses.replace(picked, block_n=bn, warps=w, split_len=tiles * bn)
               for bn in (32, 64) for w in (2, 4, 8) for tiles in (1, 2, 4, 8)]
     return [picked] + [launch for launch in others if launch != picked]
@@ -83,7 +62,7 @@ def row(name, B, S, GBps, tune):
     q_latent, q_rope, latent, k_rope, mask = attention_inputs(B, S, H, L, R)
     scale = (L // 2 + R) ** -0.5
     cache_bytes = (latent.numel() + k_rope.numel()) * latent.element_size()
-    launch = decode.mla_decode_launch(B, H, S, L, DTYPE, decode.multiprocessor_count(latent.device))
+    launch = decode.mla_decode_launch(B, H, S, L, DTYPE, multiprocessor_count(latent.device))
     d = dict(shape=name, B=B, S=S, H=H, L=L, R=R, cache_MB=cache_bytes / 1e6, launch=describe(launch),
              splits=-(-S // launch.split_len))
 
@@ -103,14 +82,8 @@ def row(name, B, S, GBps, tune):
         if B * H * S * 4 < 4e9:  # the reference's fp32 scores
             d["reference_us"] = 1e3 * bench(graphed(reference))
         if tune:
-            d["launch_us"] = {}
-            for other in launches(B, H, S, L):
-                call = lambda other=other: decode.launch_mla_decode(  # noqa: E731
-                    q_latent, q_rope, latent, k_rope, mask, scale, other)
-                try:
-                    d["launch_us"][describe(other)] = 1e3 * bench(graphed(call))
-                except Exception as error:  # e.g. more shared memory than a multiprocessor has
-                    print(f"  {describe(other)}: {type(error).__name__}: {str(error)[:100]}", flush=True)
+            d["launch_us"] = sweep(launches(B, H, S, L), describe, lambda launch: decode.launch_mla_decode(
+                q_latent, q_rope, latent, k_rope, mask, scale, launch))
     return d
 
 
@@ -118,46 +91,14 @@ COLUMNS = ["shape", "B", "S", "cache_MB", "launch", "splits", "ours_us", "ours_G
            "rel_err"]
 
 
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def table(rows, GBps) -> str:
-    def cell(value):
-        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    lines = [f"copy bandwidth {GBps:.0f} GB/s; {device_name()}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    tuned = [r for r in rows if "launch_us" in r]
-    if tuned:
-        lines += ["", "Launch settings, us per call (graphed), fastest first:", ""]
-        for r in tuned:
-            ranked = sorted(r["launch_us"].items(), key=lambda item: item[1])
-            lines.append(f"- {r['shape']} B={r['B']} S={r['S']}: "
-                         + "; ".join(f"{name} {us:.1f}" for name, us in ranked[:6])
-                         + f" (pick: {r['launch_us'][r['launch']]:.1f})")
-    return "\n".join(lines)
-
-
 def main(out):
     args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
     shapes = args.get("shapes", ",".join(SHAPES)).split(",")
     batches = [int(n) for n in args.get("batches", ",".join(map(str, BATCHES))).split(",")]
     contexts = [int(n) for n in args.get("contexts", ",".join(map(str, CONTEXTS))).split(",")]
-    os.makedirs(out, exist_ok=True)
-    GBps = copy_GBps()
-    rows = []
-    for name in shapes:
-        for S in contexts:
-            for B in batches:
-                rows.append(row(name, B, S, GBps, "tune" in sys.argv[2:]))
-                print(rows[-1], flush=True)
-                with open(os.path.join(out, "mla_decode.json"), "w") as f:
-                    json.dump(dict(copy_GBps=GBps, device=device_name(), rows=rows), f, indent=1)
-    with open(os.path.join(out, "mla_decode.md"), "w") as f:
-        f.write(table(rows, GBps) + "\n")
-    print(table(rows, GBps))
+    tune = "tune" in sys.argv[2:]
+    run(out, "mla_decode", COLUMNS, lambda r: f"{r['shape']} B={r['B']} S={r['S']}",
+        lambda GBps: (row(name, B, S, GBps, tune) for name in shapes for S in contexts for B in batches))
 
 
 if __name__ == "__main__":

@@ -16,18 +16,17 @@ Bytes: ``expert_MB`` is what the kernel, grouped_mm and the eager loop read of t
 once each); batched_mm gathers each (token, choice)'s expert into a new tensor and multiplies that: 3 x N x k experts
 (``batched_MB``). ``ours_GBps`` = expert bytes / the graphed kernel's time, ``ours_of_copy`` its share of the copy
 bandwidth; ``rel_err`` the kernel's error against the fp32 reference (``routed_experts``) on the same inputs. ``tune``
-also times the launch settings of ``knobs`` (``moe_decode_launch``'s pick first) at every row, graphed.
+also times the launch settings of ``knobs`` (``moe_decode_launch``'s pick first) at every row, graphed, and lists
+the fastest under the table.
 
 Writes OUTDIR/moe_decode.json after every row (a run cut short keeps what it measured) and OUTDIR/moe_decode.md.
 """
 
 import dataclasses
-import json
-import os
 import sys
 
 import torch
-from triton.testing import do_bench
+from kernel_timing import bench, graphed, run, sweep
 
 from kda_moe.kernels.moe import decode, moe_decode, routed_experts
 
@@ -36,31 +35,6 @@ DTYPE = torch.bfloat16
 SHAPES = {"anchor": (64, 8, 1024, 512, "silu"), "k3": (384, 16, 3584, 3072, "situ")}  # E, k, l, I, activation
 TOKENS = (1, 8, 32, 64)
 CAPS = dict(gate_cap=4.0, up_cap=25.0)  # SiTU-GLU's (the config's defaults)
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100)
-
-
-def copy_GBps() -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second) on 1 GiB."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (after a warm-up call); returns the replay, or None where capture fails."""
-    try:
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
-    except Exception as error:  # e.g. a host read inside the call
-        print(f"  no CUDA graph: {type(error).__name__}: {str(error)[:120]}", flush=True)
-        torch.cuda.synchronize()
-        return None
 
 
 def experts_inputs(N, E, k, L, I, seed=0):
@@ -125,11 +99,9 @@ def row(name, N, shape, GBps, tune):
                 replay = graphed(call)
                 d[f"{implementation}_graph_ms"] = bench(replay) if replay else None
         if tune:
-            d["knob_graph_ms"] = {}
-            for launch in knobs(N, L, I):
-                replay = graphed(lambda launch=launch: decode.launch_moe_decode(
-                    x, index, weights, gate_up, down, None, activation, *CAPS.values(), launch))
-                d["knob_graph_ms"][str(launch)] = bench(replay)
+            d["launch"] = str(decode.moe_decode_launch(N, L, I))
+            d["launch_us"] = sweep(knobs(N, L, I), str, lambda launch: decode.launch_moe_decode(
+                x, index, weights, gate_up, down, None, activation, *CAPS.values(), launch))
     return d
 
 
@@ -137,36 +109,13 @@ COLUMNS = ["shape", "N", "distinct_experts", "expert_MB", "ours_ms", "ours_graph
            "grouped_mm_ms", "grouped_mm_graph_ms", "batched_mm_ms", "batched_mm_graph_ms", "eager_ms", "rel_err"]
 
 
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def table(rows, GBps) -> str:
-    def cell(value):
-        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    lines = [f"copy bandwidth {GBps:.0f} GB/s; {device_name()}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(out):
     args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
     shapes = args.get("shapes", ",".join(SHAPES)).split(",")
     tokens = [int(n) for n in args.get("tokens", ",".join(map(str, TOKENS))).split(",")]
-    os.makedirs(out, exist_ok=True)
-    GBps = copy_GBps()
-    rows = []
-    for name in shapes:
-        for N in tokens:
-            rows.append(row(name, N, SHAPES[name], GBps, "tune" in sys.argv[2:]))
-            print(rows[-1], flush=True)
-            with open(os.path.join(out, "moe_decode.json"), "w") as f:
-                json.dump(dict(copy_GBps=GBps, device=device_name(), rows=rows), f, indent=1)
-    with open(os.path.join(out, "moe_decode.md"), "w") as f:
-        f.write(table(rows, GBps) + "\n")
-    print(table(rows, GBps))
+    tune = "tune" in sys.argv[2:]
+    run(out, "moe_decode", COLUMNS, lambda r: f"{r['shape']} N={r['N']}",
+        lambda GBps: (row(name, N, SHAPES[name], GBps, tune) for name in shapes for N in tokens))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ runs its reference. The kernel modules take ``triton`` / ``tl`` from this module
 entry points under ``if TRITON_AVAILABLE:`` without a ``try``, so an error in a kernel module raises at import.
 """
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -71,3 +72,10 @@ def resolve_backend(requested: str, *tensors: torch.Tensor | None, supported: bo
             "or set TRITON_INTERPRET=1 to run the Triton kernels in the interpreter."
         )
     return "triton"
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """The multiprocessors a launch should fill: a CUDA device's; 4 in the interpreter (CPU tensors), so that a test's
+    tiny shapes already take the launch settings of a GPU that small shapes leave mostly idle."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

@@ -16,13 +16,12 @@ Accumulation in fp32. bf16 / fp16 inputs go through the tensor cores, the probab
 the value product (as flash attention does); fp32 inputs multiply in IEEE fp32.
 """
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..backend import op_for_call, refuse_autograd, tl, triton
+from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
 from .limits import KERNEL_DTYPES
 
 MIN_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial output than on its cache tiles
@@ -57,13 +56,6 @@ def mla_decode_launch(batch: int, rows: int, S: int, L: int, dtype: torch.dtype,
     splits = max(1, min(triton.cdiv(multiprocessors, programs), tiles // MIN_TILES_PER_SPLIT))
     return MlaDecodeLaunch(block_m=block_m, block_n=block_n, split_len=triton.cdiv(tiles, splits) * block_n,
                            warps=warps, stages=2 if wide else 1)
-
-
-@functools.cache
-def multiprocessor_count(device: torch.device) -> int:
-    """The multiprocessors a launch should fill: a CUDA device's; 4 in the interpreter (CPU tensors), so a test's
-    cache of a few tiles already splits."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @triton.jit
