@@ -19,13 +19,16 @@ Writes OUTDIR/decode_projections.json after every row and OUTDIR/decode_projecti
 """
 
 import dataclasses
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from kernel_timing import bench, graphed, run, sweep
 
 from kda_moe.kernels.linear import decode, decode_projections
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_timing.py beside us, also when loaded by path
+import kernel_timing  # noqa: E402
 
 dev = "cuda"
 DTYPE = torch.bfloat16
@@ -64,13 +67,13 @@ def row(name, N, GBps, tune):
     with torch.no_grad():
         expected = torch.cat([x.float() @ w.float().T for w in weights], dim=-1)
         d["rel_err"] = ((torch.cat(ours(), dim=-1).float() - expected).norm() / expected.norm()).item()
-        d["ours_us"] = 1e3 * bench(graphed(ours))
+        d["ours_us"] = 1e3 * kernel_timing.bench(kernel_timing.graphed(ours))
         d["ours_GBps"] = weight_bytes / d["ours_us"] / 1e3
         d["ours_of_copy"] = d["ours_GBps"] / GBps
-        d["cublas_us"] = 1e3 * bench(graphed(cublas))
+        d["cublas_us"] = 1e3 * kernel_timing.bench(kernel_timing.graphed(cublas))
         if tune:
-            d["launch_us"] = sweep(launches(N), describe,
-                                   lambda launch: decode.launch_projections(x, weights, launch, GROUPS.get(name)))
+            d["launch_us"] = kernel_timing.sweep(
+                launches(N), describe, lambda launch: decode.launch_projections(x, weights, launch, GROUPS.get(name)))
     return d
 
 
@@ -82,7 +85,7 @@ def main(out):
     sets = args.get("sets", ",".join(SETS)).split(",")
     tokens = [int(n) for n in args.get("tokens", ",".join(map(str, TOKENS))).split(",")]
     tune = "tune" in sys.argv[2:]
-    run(out, "decode_projections", COLUMNS, lambda r: f"{r['set']} N={r['N']}",
+    kernel_timing.run(out, "decode_projections", COLUMNS, lambda r: f"{r['set']} N={r['N']}",
         lambda GBps: (row(name, N, GBps, tune) for name in sets for N in tokens))
 
 

@@ -1,7 +1,7 @@
 """What the single-kernel benchmarks share (``moe_decode.py``, ``mla_decode.py``, ``decode_projections.py``): times
 from ``triton.testing.do_bench``, the copy bandwidth measured in the same run, CUDA-graph replays, sweeps of launch
-settings, and the markdown table with each row's fastest settings. Imported by those scripts as a sibling module
-(``python benchmarks/<script>.py`` puts this folder first on the path)."""
+settings, and the markdown table with each row's fastest settings. The scripts import it as ``kernel_timing`` (each
+puts its own folder on the path) and call it through the module, so that a test's stand-ins replace it everywhere."""
 
 import json
 import os

@@ -19,13 +19,16 @@ Writes OUTDIR/mla_decode.json after every row (a run cut short keeps what it mea
 """
 
 import dataclasses
+import os
 import sys
 
 import torch
-from kernel_timing import bench, graphed, run, sweep
 
 from kda_moe.kernels.backend import multiprocessor_count
 from kda_moe.kernels.mla import decode, mla_decode_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_timing.py beside us, also when loaded by path
+import kernel_timing  # noqa: E402
 
 dev = "cuda"
 DTYPE = torch.bfloat16
@@ -76,14 +79,14 @@ def row(name, B, S, GBps, tune):
         expected = mla_decode_attention(q_latent.float(), q_rope.float(), latent.float(), k_rope.float(), mask,
                                         scale=scale, backend="torch")
         d["rel_err"] = ((ours().float() - expected).norm() / expected.norm()).item()
-        d["ours_us"] = 1e3 * bench(graphed(ours))
+        d["ours_us"] = 1e3 * kernel_timing.bench(kernel_timing.graphed(ours))
         d["ours_GBps"] = cache_bytes / d["ours_us"] / 1e3
         d["ours_of_copy"] = d["ours_GBps"] / GBps
         if B * H * S * 4 < 4e9:  # the reference's fp32 scores
-            d["reference_us"] = 1e3 * bench(graphed(reference))
+            d["reference_us"] = 1e3 * kernel_timing.bench(kernel_timing.graphed(reference))
         if tune:
-            d["launch_us"] = sweep(launches(B, H, S, L), describe, lambda launch: decode.launch_mla_decode(
-                q_latent, q_rope, latent, k_rope, mask, scale, launch))
+            d["launch_us"] = kernel_timing.sweep(launches(B, H, S, L), describe, lambda launch: (
+                decode.launch_mla_decode(q_latent, q_rope, latent, k_rope, mask, scale, launch)))
     return d
 
 
@@ -97,7 +100,7 @@ def main(out):
     batches = [int(n) for n in args.get("batches", ",".join(map(str, BATCHES))).split(",")]
     contexts = [int(n) for n in args.get("contexts", ",".join(map(str, CONTEXTS))).split(",")]
     tune = "tune" in sys.argv[2:]
-    run(out, "mla_decode", COLUMNS, lambda r: f"{r['shape']} B={r['B']} S={r['S']}",
+    kernel_timing.run(out, "mla_decode", COLUMNS, lambda r: f"{r['shape']} B={r['B']} S={r['S']}",
         lambda GBps: (row(name, B, S, GBps, tune) for name in shapes for S in contexts for B in batches))
 
 

@@ -23,12 +23,15 @@ Writes OUTDIR/moe_decode.json after every row (a run cut short keeps what it mea
 """
 
 import dataclasses
+import os
 import sys
 
 import torch
-from kernel_timing import bench, graphed, run, sweep
 
 from kda_moe.kernels.moe import decode, moe_decode, routed_experts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_timing.py beside us, also when loaded by path
+import kernel_timing  # noqa: E402
 
 dev = "cuda"
 DTYPE = torch.bfloat16
@@ -83,9 +86,9 @@ def row(name, N, shape, GBps, tune):
         if N * k * 3 * I * L * 4 < 8e9:  # the reference gathers each (token, choice)'s expert in fp32
             reference = routed_experts(x, index, weights, gate_up, down, activation, **CAPS).float()
             d["rel_err"] = ((ours().float() - reference).norm() / reference.norm()).item()
-        d["ours_ms"] = bench(ours)
-        replay = graphed(ours)
-        d["ours_graph_ms"] = bench(replay)
+        d["ours_ms"] = kernel_timing.bench(ours)
+        replay = kernel_timing.graphed(ours)
+        d["ours_graph_ms"] = kernel_timing.bench(replay)
         d["ours_GBps"] = expert_bytes / d["ours_graph_ms"] / 1e6
         d["ours_of_copy"] = d["ours_GBps"] / GBps
         experts = transformers_experts(E, k, L, I, activation, gate_up, down)
@@ -94,13 +97,13 @@ def row(name, N, shape, GBps, tune):
                 continue  # the gathered copy would not fit
             experts.config._experts_implementation = implementation
             call = lambda: experts(x, index, weights)  # noqa: E731
-            d[f"{implementation}_ms"] = bench(call)
+            d[f"{implementation}_ms"] = kernel_timing.bench(call)
             if implementation != "eager":
-                replay = graphed(call)
-                d[f"{implementation}_graph_ms"] = bench(replay) if replay else None
+                replay = kernel_timing.graphed(call)
+                d[f"{implementation}_graph_ms"] = kernel_timing.bench(replay) if replay else None
         if tune:
             d["launch"] = str(decode.moe_decode_launch(N, L, I))
-            d["launch_us"] = sweep(knobs(N, L, I), str, lambda launch: decode.launch_moe_decode(
+            d["launch_us"] = kernel_timing.sweep(knobs(N, L, I), str, lambda launch: decode.launch_moe_decode(
                 x, index, weights, gate_up, down, None, activation, *CAPS.values(), launch))
     return d
 
@@ -114,7 +117,7 @@ def main(out):
     shapes = args.get("shapes", ",".join(SHAPES)).split(",")
     tokens = [int(n) for n in args.get("tokens", ",".join(map(str, TOKENS))).split(",")]
     tune = "tune" in sys.argv[2:]
-    run(out, "moe_decode", COLUMNS, lambda r: f"{r['shape']} N={r['N']}",
+    kernel_timing.run(out, "moe_decode", COLUMNS, lambda r: f"{r['shape']} N={r['N']}",
         lambda GBps: (row(name, N, SHAPES[name], GBps, tune) for name in shapes for N in tokens))
 
 

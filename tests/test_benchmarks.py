@@ -2,7 +2,6 @@
 timings; model.py with a tiny config): their plumbing (variants, error checks, tables) must not rot between the GPU
 runs that use them. The numbers are not checked here."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -15,19 +14,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the Triton kernels in the interpreter (no CUDA)", allow_module_level=True)
 pytest.importorskip("triton")
 
-
-def load_benchmark(script="kda.py"):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_testing import load_benchmark  # noqa: E402
 
 
 @pytest.fixture
 def interpreted_kda_benchmark(monkeypatch):
     """benchmarks/kda.py on CPU under the interpreter: fp32 inputs, every timing 1 ms, every peak 2 GiB."""
-    bench = load_benchmark()
+    bench = load_benchmark("kda.py")
     make = bench.make
 
     def make_fp32(B, T, H, K):  # the interpreter's bf16 tl.dot is wrong, so the stand-in run is fp32

@@ -166,3 +166,28 @@ def test_hooked_or_adapted_projections_are_called_as_modules(monkeypatch):
     assert seen == [(1, 2, attention.k_proj.out_features)]
     kda_layers = model.config.layer_types.count("linear_attention")
     assert [count for _, count in calls].count(6) == kda_layers - 1  # the hooked layer's six went one by one
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on a GPU the benchmark runs for real")
+def test_benchmark_writes_its_rows_and_table(tmp_path, monkeypatch):
+    """benchmarks/decode_projections.py end to end on CPU (fp32, stand-in timings, a KDA set of six narrow weights
+    with q | k | v grouped, and one weight alone): the plumbing and the kernel's error, not the numbers."""
+    import json
+    import sys
+
+    from benchmark_testing import load_benchmark, stand_in_timings
+
+    bench = load_benchmark("decode_projections.py")
+    stand_in_timings(bench, monkeypatch)
+    launches = bench.launches
+    monkeypatch.setattr(bench, "launches", lambda tokens: launches(tokens)[:2])  # the pick and one other
+    monkeypatch.setattr(bench, "HIDDEN", 32)
+    monkeypatch.setattr(bench, "SETS", {"kda": (16, 16, 16, 8, 2, 8), "o_proj": (32,)})
+    monkeypatch.setattr(sys, "argv", ["decode_projections.py", str(tmp_path), "tokens=1,3", "tune"])
+    bench.main(str(tmp_path))
+    rows = json.loads((tmp_path / "decode_projections.json").read_text())["rows"]
+    assert [(r["set"], r["N"], r["weights"]) for r in rows] == [("kda", 1, 6), ("kda", 3, 6), ("o_proj", 1, 1),
+                                                                 ("o_proj", 3, 1)]
+    assert all(r["rel_err"] < 1e-6 and r["ours_us"] == r["cublas_us"] == 1000.0 for r in rows)
+    assert all(len(r["launch_us"]) == 2 and r["launch"] in r["launch_us"] for r in rows)
+    assert "- o_proj N=3: " in (tmp_path / "decode_projections.md").read_text()

@@ -305,3 +305,28 @@ def test_kernel_at_full_size_matches_the_torch_path_in_bf16(H):
             ).transpose(1, 2)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         assert rel(out, expected) < 8e-3 and rel(out, sdpa) < 1e-2, T
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on a GPU the benchmark runs for real")
+def test_benchmark_writes_its_rows_and_table(tmp_path, monkeypatch):
+    """benchmarks/mla_decode.py end to end on CPU (fp32, stand-in timings, a tiny shape whose last 3 positions are
+    masked): the plumbing and the kernel's error against the reference, not the numbers."""
+    import json
+    import sys
+
+    from benchmark_testing import load_benchmark, stand_in_timings
+
+    bench = load_benchmark("mla_decode.py")
+    stand_in_timings(bench, monkeypatch)
+    launches = bench.launches
+    monkeypatch.setattr(bench, "launches", lambda *shape: launches(*shape)[:2])  # the pick and one other
+    monkeypatch.setattr(bench, "SHAPES", {"tiny": (3, 12, 4)})
+    monkeypatch.setattr(bench, "UNFILLED", 3)
+    monkeypatch.setattr(sys, "argv", ["mla_decode.py", str(tmp_path), "batches=1,2", "contexts=40", "tune"])
+    bench.main(str(tmp_path))
+    rows = json.loads((tmp_path / "mla_decode.json").read_text())["rows"]
+    assert [(r["B"], r["S"]) for r in rows] == [(1, 40), (2, 40)]
+    assert all(r["rel_err"] < FP32_TOL and r["ours_us"] == r["reference_us"] == 1000.0 for r in rows)
+    assert all(len(r["launch_us"]) == 2 and r["launch"] in r["launch_us"] for r in rows)
+    table = (tmp_path / "mla_decode.md").read_text()
+    assert "| tiny | 2 | 40 |" in table and "- tiny B=2 S=40: " in table
