@@ -81,12 +81,9 @@ COLUMNS = ["set", "N", "weights", "weight_MB", "launch", "ours_us", "ours_GBps",
 
 
 def main(out):
-    args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
-    sets = args.get("sets", ",".join(SETS)).split(",")
-    tokens = [int(n) for n in args.get("tokens", ",".join(map(str, TOKENS))).split(",")]
-    tune = "tune" in sys.argv[2:]
+    args, tune = kernel_timing.options(sys.argv[2:], sets=list(SETS), tokens=TOKENS)
     kernel_timing.run(out, "decode_projections", COLUMNS, lambda r: f"{r['set']} N={r['N']}",
-        lambda GBps: (row(name, N, GBps, tune) for name in sets for N in tokens))
+        lambda GBps: (row(name, N, GBps, tune) for name in args["sets"] for N in args["tokens"]))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,19 @@ def sweep(launches, describe, call) -> dict[str, float]:
     return times
 
 
+def options(argv: list[str], **defaults) -> tuple[dict[str, list], bool]:
+    """The script's ``key=a,b`` arguments as lists of the default's element type (the default where a key is absent),
+    and whether ``tune`` was given. An unknown key or word raises, naming the ones the script takes."""
+    given = dict(a.split("=", 1) if "=" in a else (a, "") for a in argv)
+    unknown = sorted(set(given) - set(defaults) - {"tune"})
+    if unknown:
+        raise SystemExit(f"unknown options {unknown}: this script takes "
+                         + " ".join(f"{key}=a,b" for key in defaults) + " and tune")
+    values = {key: [type(default[0])(v) for v in given[key].split(",")] if key in given else list(default)
+              for key, default in defaults.items()}
+    return values, "tune" in given
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

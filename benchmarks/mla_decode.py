@@ -95,13 +95,9 @@ COLUMNS = ["shape", "B", "S", "cache_MB", "launch", "splits", "ours_us", "ours_G
 
 
 def main(out):
-    args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
-    shapes = args.get("shapes", ",".join(SHAPES)).split(",")
-    batches = [int(n) for n in args.get("batches", ",".join(map(str, BATCHES))).split(",")]
-    contexts = [int(n) for n in args.get("contexts", ",".join(map(str, CONTEXTS))).split(",")]
-    tune = "tune" in sys.argv[2:]
-    kernel_timing.run(out, "mla_decode", COLUMNS, lambda r: f"{r['shape']} B={r['B']} S={r['S']}",
-        lambda GBps: (row(name, B, S, GBps, tune) for name in shapes for S in contexts for B in batches))
+    args, tune = kernel_timing.options(sys.argv[2:], shapes=list(SHAPES), batches=BATCHES, contexts=CONTEXTS)
+    kernel_timing.run(out, "mla_decode", COLUMNS, lambda r: f"{r['shape']} B={r['B']} S={r['S']}", lambda GBps: (
+        row(name, B, S, GBps, tune) for name in args["shapes"] for S in args["contexts"] for B in args["batches"]))
 
 
 if __name__ == "__main__":

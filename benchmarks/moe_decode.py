@@ -113,12 +113,9 @@ COLUMNS = ["shape", "N", "distinct_experts", "expert_MB", "ours_ms", "ours_graph
 
 
 def main(out):
-    args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
-    shapes = args.get("shapes", ",".join(SHAPES)).split(",")
-    tokens = [int(n) for n in args.get("tokens", ",".join(map(str, TOKENS))).split(",")]
-    tune = "tune" in sys.argv[2:]
+    args, tune = kernel_timing.options(sys.argv[2:], shapes=list(SHAPES), tokens=TOKENS)
     kernel_timing.run(out, "moe_decode", COLUMNS, lambda r: f"{r['shape']} N={r['N']}",
-        lambda GBps: (row(name, N, SHAPES[name], GBps, tune) for name in shapes for N in tokens))
+        lambda GBps: (row(name, N, SHAPES[name], GBps, tune) for name in args["shapes"] for N in args["tokens"]))
 
 
 if __name__ == "__main__":

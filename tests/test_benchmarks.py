@@ -378,3 +378,13 @@ def test_mxfp4_experts_benchmark_cpu_mode_writes_its_table(tmp_path):
     assert all(row[f"{case}_{p}_ms"] > 0 for case in bench.CASES for p in ("fwd", "fwdbwd"))
     table = (tmp_path / "mxfp4_experts.md").read_text()
     assert "| 12 x 2 of 5 | mxfp4 |" in table and json.loads((tmp_path / "mxfp4_experts.json").read_text())["rows"]
+
+
+def test_kernel_benchmark_options_parse_lists_keep_defaults_and_refuse_unknown_keys():
+    timing = load_benchmark("kernel_timing.py")
+    args, tune = timing.options(["batches=1,32", "tune"], shapes=["anchor", "k3"], batches=(1, 8))
+    assert args == {"shapes": ["anchor", "k3"], "batches": [1, 32]} and tune
+    assert timing.options(["shapes=k3"], shapes=["anchor", "k3"], batches=(1, 8)) == (
+        {"shapes": ["k3"], "batches": [1, 8]}, False)
+    with pytest.raises(SystemExit, match=r"unknown options \['batch', 'tunes'\]: this script takes shapes=a,b"):
+        timing.options(["batch=1", "tunes"], shapes=["anchor"])
