@@ -68,6 +68,17 @@ def test_kernel_chooses_the_references_experts_with_its_weights(N, E, k, renorma
     assert torch.allclose(weights, expected_weights, rtol=1e-6, atol=0)
 
 
+def test_a_bf16_bias_is_widened_as_the_reference_widens_it():
+    """A model cast with `.to(torch.bfloat16)` holds its selection bias in bf16: the kernel reads it as it is (no cast
+    before the launch) and chooses the reference's experts, whose sum promotes the bias to fp32."""
+    logits, bias = logits_and_bias(5, 64)
+    bias = bias.bfloat16()
+    weights, indices = top_k_routing(logits, bias, 8, backend="triton")
+    expected_weights, expected_indices = sigmoid_top_k(logits, bias, 8)
+    assert torch.equal(indices, expected_indices)
+    assert torch.allclose(weights, expected_weights, rtol=1e-6, atol=0)
+
+
 def test_the_bias_steers_the_choice_but_not_the_weights():
     """A large bias on the weakest expert makes it chosen first; its weight stays its unbiased score."""
     logits, _ = logits_and_bias(1, 16)

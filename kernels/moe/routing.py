@@ -80,7 +80,7 @@ def _sigmoid_top_k_kernel(logits, bias, weights, indices, E, scale, K: tl.conste
     o_e = tl.arange(0, EP)
     m_e = o_e < E
     scores = tl.sigmoid(tl.load(logits + token * E + o_e, mask=m_e, other=0.0))
-    choice = tl.where(m_e, scores + tl.load(bias + o_e, mask=m_e, other=0.0), float("-inf"))
+    choice = tl.where(m_e, scores + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32), float("-inf"))
     o_k = tl.arange(0, KP)
     chosen = tl.zeros((KP,), dtype=tl.int64)
     chosen_scores = tl.zeros((KP,), dtype=tl.float32)
@@ -118,8 +118,8 @@ def _(router_logits, bias, top_k, renormalize, scale):
 
 
 def sigmoid_top_k_triton(router_logits, bias, top_k, *, renormalize, scale):
-    """(weights [N, k] fp32, expert ids [N, k] int64, best first) from fp32 router logits [N, E] and bias [E], E up to
-    ``MAX_ROUTED_EXPERTS``. Inference only: no backward."""
+    """(weights [N, k] fp32, expert ids [N, k] int64, best first) from fp32 router logits [N, E] and bias [E] (any
+    float dtype, widened as it is read), E up to ``MAX_ROUTED_EXPERTS``. Inference only: no backward."""
     E = router_logits.shape[-1]
     if router_logits.dim() != 2 or router_logits.dtype != torch.float32 or bias.shape != (E,) or not (
         0 < top_k <= E <= MAX_ROUTED_EXPERTS
@@ -130,5 +130,5 @@ def sigmoid_top_k_triton(router_logits, bias, top_k, *, renormalize, scale):
             f"{tuple(bias.shape)} and top_k={top_k}. Route on the PyTorch reference (backend=\"torch\") otherwise."
         )
     refuse_autograd("the Triton top-k router", [router_logits], "the PyTorch reference")
-    router_logits, bias = router_logits.contiguous(), bias.float().contiguous()
+    router_logits, bias = router_logits.contiguous(), bias.contiguous()  # a bf16 bias (.to(bf16)) widens in-kernel
     return op_for_call(sigmoid_top_k_op, _sigmoid_top_k)(router_logits, bias, top_k, renormalize, float(scale))
