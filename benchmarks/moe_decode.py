@@ -63,9 +63,11 @@ def transformers_experts(E, k, L, I, activation, gate_up, down):
 
 def knobs(N, L, I):
     picked = decode.moe_decode_launch(N, L, I)
-    others = [dataclasses.replace(picked, block_inter=bi, block_out=bo, block_k=bk, warps=w)
-              for bi, bo, bk, w in [(32, 32, 64, 4), (16, 64, 64, 4), (32, 64, 128, 4), (16, 32, 64, 2),
-                                    (64, 64, 64, 8), (16, 16, 128, 4)]]
+    others = [dataclasses.replace(picked, block_inter=bi, block_out=bo, block_k=bk, warps=w, stages=st)
+              for bi, bo, bk, w, st in [(16, 32, 128, 4, 2), (16, 32, 128, 4, 4), (16, 32, 256, 4, 2),
+                                        (32, 32, 64, 4, 3), (16, 64, 64, 4, 3), (32, 64, 128, 4, 3),
+                                        (16, 32, 64, 2, 3), (64, 64, 64, 8, 3), (16, 16, 128, 4, 3),
+                                        (16, 16, 256, 4, 2)]]
     return [picked] + [launch for launch in others if launch != picked]
 
 

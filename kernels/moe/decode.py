@@ -44,6 +44,7 @@ class MoeDecodeLaunch:
     block_out: int  # output channels per down program
     block_k: int  # reduction slice per loop step, in both kernels
     warps: int  # warps per program
+    stages: int  # software-pipeline depth of the reduction loops' loads
 
 
 def moe_decode_launch(tokens: int, hidden: int, intermediate: int) -> MoeDecodeLaunch:
@@ -57,6 +58,7 @@ def moe_decode_launch(tokens: int, hidden: int, intermediate: int) -> MoeDecodeL
         block_out=32,
         block_k=min(128 if rows <= 16 else 64, max(16, triton.next_power_of_2(max(hidden, intermediate)))),
         warps=4,
+        stages=3,
     )
 
 
@@ -192,10 +194,10 @@ def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, d
     _moe_up_kernel[(slots, triton.cdiv(max(I, IS), launch.block_inter))](
         hidden_states, top_k_index, gate_up_proj, act, shared_gate, shared_up, shared_act, N, E, float(gate_cap),
         0.0 if up_cap is None else float(up_cap), BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ",
-        UP_CAP=up_cap is not None, num_warps=launch.warps, **shape)
+        UP_CAP=up_cap is not None, num_warps=launch.warps, num_stages=launch.stages, **shape)
     _moe_down_kernel[(slots, triton.cdiv(L, launch.block_out))](
         act, top_k_index, top_k_weights, down_proj, shared_act, shared_down, out, N, E, KS=KS,
-        BO=launch.block_out, BK=launch.block_k, num_warps=launch.warps, **shape)
+        BO=launch.block_out, BK=launch.block_k, num_warps=launch.warps, num_stages=launch.stages, **shape)
     y = torch.empty_like(hidden_states)
     _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, KS=KS, L=L, BO=SUM_BLOCK, num_warps=4)
     return y
