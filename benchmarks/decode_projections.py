@@ -25,6 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kda_moe.kernels.backend import triton
 from kda_moe.kernels.linear import decode, decode_projections
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_timing.py beside us, also when loaded by path
@@ -43,11 +44,15 @@ def launches(tokens):
     picked = decode.projection_launch(tokens, HIDDEN, DTYPE)
     others = [dataclasses.replace(picked, block_out=bn, block_k=bk, warps=w, stages=st)
               for bn in (16, 32) for bk in (128, 256, 512) for w in (2, 4, 8) for st in (2, 4)]
+    if tokens < 16:  # unpadded token rows: products on the CUDA cores, narrower blocks of output channels
+        others += [dataclasses.replace(picked, rows=triton.next_power_of_2(tokens), block_out=bn, block_k=bk,
+                                       warps=w, stages=3)
+                   for bn in (4, 8, 16) for bk in (256, 512) for w in (2, 4)]
     return [picked] + [launch for launch in others if launch != picked]
 
 
 def describe(launch) -> str:
-    return f"n{launch.block_out} k{launch.block_k} w{launch.warps} s{launch.stages}"
+    return f"m{launch.rows} n{launch.block_out} k{launch.block_k} w{launch.warps} s{launch.stages}"
 
 
 def row(name, N, GBps, tune):

@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from kda_moe.kernels.backend import triton
 from kda_moe.kernels.moe import decode, moe_decode, routed_experts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_timing.py beside us, also when loaded by path
@@ -68,6 +69,11 @@ def knobs(N, L, I):
                                         (32, 32, 64, 4, 3), (16, 64, 64, 4, 3), (32, 64, 128, 4, 3),
                                         (16, 32, 64, 2, 3), (64, 64, 64, 8, 3), (16, 16, 128, 4, 3),
                                         (16, 16, 256, 4, 2)]]
+    if N < 16:  # unpadded token rows: products on the CUDA cores, narrower blocks of channels
+        others += [dataclasses.replace(picked, rows=triton.next_power_of_2(N), block_inter=bi, block_out=bo,
+                                       block_k=bk, warps=w, stages=st)
+                   for bi, bo, bk, w, st in [(4, 8, 256, 4, 3), (8, 8, 256, 4, 3), (4, 16, 128, 4, 3),
+                                             (8, 16, 512, 4, 2), (16, 32, 128, 4, 3), (2, 4, 512, 2, 3)]]
     return [picked] + [launch for launch in others if launch != picked]
 
 

@@ -48,6 +48,18 @@ def test_kernel_matches_f_linear_in_fp32(tokens, count):
         assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()
 
 
+@pytest.mark.parametrize("tokens,rows,block_out", [(1, 1, 4), (3, 4, 8), (5, 16, 8)])
+def test_narrow_tiles_multiply_on_the_cuda_cores_to_the_same_products(tokens, rows, block_out):
+    """Tiles narrower than tl.dot's 16 (one unpadded token row, or 4 / 8 output channels a program) take the CUDA
+    cores' products (``accumulate_products``): the same fp32 products, within the same 1e-6."""
+    x, weights = weights_and_input(tokens)
+    launch = decode.ProjectionLaunch(rows=rows, block_out=block_out, block_k=32, warps=1, stages=1)
+    for w, out in zip(weights, decode.launch_projections(x, weights, launch)):
+        reference = F.linear(x.double(), w.double())
+        assert out.shape == (tokens, w.shape[0])
+        assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_grouped_weights_leave_as_one_tensor_of_their_products_side_by_side(backend):
     """``group_sizes=[3, 1, 2]``: the first three products in one ``[N, 40 + 8 + 17]`` tensor (contiguous, as the

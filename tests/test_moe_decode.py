@@ -90,6 +90,23 @@ def test_kernel_matches_the_eager_experts_loop_in_fp32(case, activation, up_cap)
     assert rel(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("case,rows", [("one-token", 1), ("shared-experts", 8)])
+def test_narrow_tiles_multiply_on_the_cuda_cores_to_the_same_sum(case, rows):
+    """Tiles narrower than tl.dot's 16 (unpadded token rows, 4 intermediate / 8 output channels a program) take the
+    CUDA cores' products (``accumulate_products``): the eager loop's sum within the same 1e-5."""
+    N, k, E, L, I = CASES[case]
+    experts = experts_module(E, k, L, I)
+    index, weights = routing(N, k, E)
+    x = torch.randn(N, L, generator=torch.Generator().manual_seed(1)).to(dev)
+    launch = decode.MoeDecodeLaunch(rows=rows, block_inter=4, block_out=8, block_k=16, warps=1, stages=1)
+    act = experts.act_fn
+    with torch.no_grad():
+        out = decode.launch_moe_decode(x, index, weights, experts.gate_up_proj, experts.down_proj, None, act.kind,
+                                       act.gate_cap, act.up_cap, launch)
+        expected = experts(x, index, weights)
+    assert rel(out, expected) < 1e-5
+
+
 @pytest.mark.parametrize("shared_intermediate", [40, 8], ids=["wider", "narrower"])
 def test_a_shared_expert_joins_every_tokens_sum(shared_intermediate):
     """With a shared expert's weights the same launches add its output to every token's routed sum: the eager loop's

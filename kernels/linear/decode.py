@@ -25,7 +25,7 @@ from .limits import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, fits_projection_kern
 class ProjectionLaunch:
     """How the projection kernel is launched; ``projection_launch`` picks one per call."""
 
-    rows: int  # token rows of every tile: all N tokens, padded to a power of two >= 16
+    rows: int  # token rows of every tile: all N tokens, padded to a power of two (see ``accumulate_products``)
     block_out: int  # output channels per program
     block_k: int  # reduction slice per loop step
     warps: int  # warps per program
@@ -46,6 +46,17 @@ def projection_launch(tokens: int, hidden: int, dtype: torch.dtype) -> Projectio
 
 
 @triton.jit
+def accumulate_products(acc, bx, bw):
+    """acc ``[M, N]`` fp32 + bx ``[M, K]`` @ bw ``[N, K]^T``, products and sums in fp32 (fp32 inputs in full fp32).
+    On the tensor cores where the tile is wide enough for tl.dot (M, N >= 16); a narrower tile (a single token's row,
+    or a few output channels a program) multiplies on the CUDA cores and sums along K, so a GEMV neither pads its one
+    row to 16 nor needs 16 output channels a program."""
+    if bx.shape[0] >= 16 and bw.shape[0] >= 16:
+        return tl.dot(bx, tl.trans(bw), acc, input_precision="ieee")
+    return acc + tl.sum(bx.to(tl.float32)[:, None, :] * bw.to(tl.float32)[None, :, :], 2)
+
+
+@triton.jit
 def _project_block(x, w, o, block, N, n, K: tl.constexpr, LD: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):
     """Output channels ``block * BN + [0, BN)`` of ``o [N, n] = x [N, K] @ w [n, K]^T``; o's rows ``LD`` apart."""
@@ -58,7 +69,7 @@ def _project_block(x, w, o, block, N, n, K: tl.constexpr, LD: tl.constexpr, ROWS
         m_k = o_k < K
         bx = tl.load(x + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bw = tl.load(w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc = tl.dot(bx, tl.trans(bw), acc, input_precision="ieee")
+        acc = accumulate_products(acc, bx, bw)
     tl.store(o + o_t[:, None] * LD + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_n[None, :])
 
 

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
+from ..linear.decode import accumulate_products
 from .activation import gated_activation
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
 
@@ -39,7 +40,7 @@ SUM_BLOCK = 256  # output channels per program of the sum over choices (two fp32
 class MoeDecodeLaunch:
     """How the two decode kernels are launched; ``moe_decode_launch`` picks one per call."""
 
-    rows: int  # token rows of every tile: all N tokens, padded to a power of two >= 16 (tl.dot's least M)
+    rows: int  # token rows of every tile: all N tokens, padded to a power of two (see ``accumulate_products``)
     block_inter: int  # intermediate channels (of gate and of up each) per up program
     block_out: int  # output channels per down program
     block_k: int  # reduction slice per loop step, in both kernels
@@ -93,10 +94,8 @@ def _gated_block(x, rows, w_gate, w_up, m_i, gate_cap, up_cap, L: tl.constexpr, 
         m_k = o_k < L
         bx = tl.load(x + o_t[:, None] * L + o_k[None, :], mask=rows[:, None] & m_k[None, :], other=0.0)
         m_w = m_i[:, None] & m_k[None, :]
-        acc_gate = tl.dot(bx, tl.trans(tl.load(w_gate[:, None] + o_k[None, :], mask=m_w, other=0.0)), acc_gate,
-                          input_precision="ieee")
-        acc_up = tl.dot(bx, tl.trans(tl.load(w_up[:, None] + o_k[None, :], mask=m_w, other=0.0)), acc_up,
-                        input_precision="ieee")
+        acc_gate = accumulate_products(acc_gate, bx, tl.load(w_gate[:, None] + o_k[None, :], mask=m_w, other=0.0))
+        acc_up = accumulate_products(acc_up, bx, tl.load(w_up[:, None] + o_k[None, :], mask=m_w, other=0.0))
     return gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
 
 
@@ -111,7 +110,7 @@ def _down_block(act_rows, rows, w_down, m_o, I: tl.constexpr, ROWS: tl.constexpr
         m_k = o_k < I
         ba = tl.load(act_rows[:, None] + o_k[None, :], mask=rows[:, None] & m_k[None, :], other=0.0)
         w = tl.load(w_down[:, None] + o_k[None, :], mask=m_o[:, None] & m_k[None, :], other=0.0)
-        acc = tl.dot(ba, tl.trans(w), acc, input_precision="ieee")
+        acc = accumulate_products(acc, ba, w)
     return acc
 
 
