@@ -96,9 +96,11 @@ def compile_all(dtype, forward_fields, backward_fields):
             # low-rank too as in Kimi Linear (softplus), full-rank as in K3 (bounded)
             rank_input, up_weight = torch.randn(B, K, dtype=dtype), torch.randn(H * K, K, dtype=dtype)
             gate, gate_weight = (gate, None) if lb is not None else (rank_input, up_weight)
-            fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, rank_input, up_weight, step[4], A_log,
-                                             dt_bias, state, gate, gate_weight, torch.ones(K, dtype=dtype), 1e-5, lb,
-                                             K ** -0.5, fused_decode.fused_decode_launch(K, K))
+            for multiprocessors in (B * H, 132):  # one program a head, and heads split over an H100's multiprocessors
+                fused_decode.launch_fused_decode(qkv, conv_weight, conv_state, rank_input, up_weight, step[4], A_log,
+                                                 dt_bias, state, gate, gate_weight, torch.ones(K, dtype=dtype), 1e-5,
+                                                 lb, K ** -0.5,
+                                                 fused_decode.fused_decode_launch(B * H, K, K, multiprocessors))
         compile_mla_decode(dtype)
         E, top_k, L, I = 64, 8, 1024, 512
         gate_up, down = torch.zeros(E, 2 * I, L, dtype=dtype), torch.zeros(E, L, I, dtype=dtype)

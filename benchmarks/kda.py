@@ -280,7 +280,9 @@ DECODE_BATCHES, DECODE_HEADS, DECODE_DIM, DECODE_DTYPE, CONV_WIDTH = [256, 1, 64
 def fused_knobs(V):
     """Launches of the fused layer step tried at every batch (the rows run ``fused_decode_launch``'s)."""
     return [fused_decode.FusedDecodeLaunch(bv=V // 2, warps=4), fused_decode.FusedDecodeLaunch(bv=V // 2, warps=8),
-            fused_decode.FusedDecodeLaunch(bv=V, warps=8), fused_decode.FusedDecodeLaunch(bv=V, warps=16)]
+            fused_decode.FusedDecodeLaunch(bv=V, warps=8), fused_decode.FusedDecodeLaunch(bv=V, warps=16),
+            fused_decode.FusedDecodeLaunch(bv=V // 4, warps=2, splits=4),
+            fused_decode.FusedDecodeLaunch(bv=V // 8, warps=1, splits=8)]
 
 
 def graphed(fn):

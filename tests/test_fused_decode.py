@@ -119,21 +119,28 @@ def test_a_left_padding_token_leaves_both_states_unchanged(lb, dtype, monkeypatc
     assert rel(o[real], ro[real]) < 2 ** -8 and rel(x["state"], ref["state"]) < 1e-4
 
 
-def test_state_slabs_narrower_than_v_give_the_same_step():
-    """A program walks its head's state in [K, BV] slabs: heads above 128 x 128 take several (K = V = 256 does), and
-    the output row is normed after the last. Slabs of 16 on V = 64 match one slab of 64 (bit for bit in the
-    interpreter; on a GPU a slab's tile shape may reorder the fp32 sums over K, a few ulps)."""
-    assert fused_decode.fused_decode_launch(256, 256).bv < 256
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_state_slabs_narrower_than_v_and_heads_split_over_programs_give_the_same_step(splits):
+    """A program walks its part of a head's state in [K, BV] slabs: heads above 128 x 128 take several (K = V = 256
+    does), and a small batch splits each head's V channels over programs, the last of which norms the row and
+    shifts the q / k conv rows. Every split into slabs of 16 on V = 64 matches one program of one slab of 64 (bit for
+    bit in the interpreter; on a GPU a slab's tile shape may reorder the fp32 sums over K, a few ulps), and leaves
+    the head counters at zero for the next call."""
+    assert fused_decode.fused_decode_launch(1, 256, 256, 1).bv < 256
+    assert fused_decode.fused_decode_launch(2 * 8, 128, 128, 132).splits == 4  # batch 2 x 8 heads on an H100
+    assert fused_decode.fused_decode_launch(32 * 8, 128, 128, 132).splits == 1
     x = step_inputs(2, 2, 16, 64, torch.float32)
     outputs, states = [], []
-    for bv in (64, 16):
+    for launch in (fused_decode.FusedDecodeLaunch(bv=64, warps=1),
+                   fused_decode.FusedDecodeLaunch(bv=16, warps=1, splits=splits)):
         y = copies(x)
         args = [y.get(n) for n in LAUNCH_ARGS]
-        launch = fused_decode.FusedDecodeLaunch(bv=bv, warps=1)
         outputs.append(fused_decode.launch_fused_decode(*args, 1e-5, -5.0, 0.25, launch))
         states.append((y["state"], y["conv_state"]))
     assert rel(outputs[1], outputs[0]) < 1e-5
     assert rel(states[1][0], states[0][0]) < 1e-6 and torch.equal(states[1][1], states[0][1])
+    if splits > 1:
+        assert not fused_decode.head_counters(x["state"].device, 4)[:4].any()
 
 
 def test_unfused_step_on_triton_matches_the_fused_kernel():

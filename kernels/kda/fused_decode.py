@@ -9,11 +9,15 @@ output allocated, so a CUDA graph can capture it). Either gate's logits may come
 its up-projection's weight (Kimi Linear's ``f_b`` / ``g_b``): each program then multiplies its head's rows of the
 weight with the input, as ``F.linear`` would in a launch of its own.
 
-One program per (sequence, head), looping over ``[K, BV]`` slabs of the head's state. The head cannot be split over
-programs along V as the decode kernel splits it: every slab needs the whole conv-ed, normed q and k rows, whose conv
-state rows must be shifted once, after every reader is done, and the gated RMSNorm needs the whole V row of the
-output. Splitting would take a second launch (or a grid-wide handshake); one program per head is the floor for one
-launch, which at batch 1 leaves H programs.
+Each head's V channels are split over ``splits`` programs (``[K, BV]`` slabs of the head's state), so that a small
+batch still spreads over the GPU: at batch 1 one program a head would leave all but H multiprocessors idle, each
+pulling its head's whole state, and gate weights, through one multiprocessor. Every program of a head computes the
+conv-ed, normed q and k rows and the decay itself (a few hundred channels), updates its slabs and the conv state rows
+of its own v channels, and stores its part of the gated output before the norm, with its sum of squares. The
+program that finishes last (a counter per head, taken with an acquire-release atomic after the program's reads and
+stores; the last resets it) then shifts the q / k conv state rows, which every program of the head has read by then,
+and scales the whole row by the norm's reciprocal RMS. One program a head (``splits = 1``, larger batches) takes the
+same path without the counter.
 
 Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
 input dtype before the norms, the attention output to the input dtype before the gated RMSNorm; fp32 math otherwise.
@@ -24,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import op_for_call, refuse_autograd, tl, triton
+from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
 from .recurrent import delta_step, head_step_inputs
 from .tile_limits import require_triton_tiles
 
@@ -37,14 +41,37 @@ class FusedDecodeLaunch:
 
     bv: int  # width of the [K, BV] state slabs each program walks through
     warps: int  # warps per program
+    splits: int = 1  # programs per head, each owning V / splits channels (a power of two)
 
 
-def fused_decode_launch(K: int, V: int) -> FusedDecodeLaunch:
-    """Slabs of at most 128 x 128 state values at 64 values a thread, as the decode kernel's [128, 64] slabs at 4
-    warps hold: a whole row of a K = V = 128 head at 8 warps, so one program issues all of its state loads at once
-    (batch-1 latency). Smaller heads get fewer warps (at least 8 values a thread: no thread repeats another's)."""
-    bv = min(V, max(16, 128 * 128 // K))
-    return FusedDecodeLaunch(bv=bv, warps=max(1, min(8, K * bv // 2048)))
+MIN_SPLIT_WIDTH = 32  # the fewest V channels a program owns when a head is split
+
+
+def fused_decode_launch(heads: int, K: int, V: int, multiprocessors: int) -> FusedDecodeLaunch:
+    """``heads`` = batch x heads. Each head is split in two until the programs fill the multiprocessors (or a
+    program would own fewer than ``MIN_SPLIT_WIDTH`` channels). Slabs of at most 128 x 128 state values at 64 values a
+    thread, as the decode kernel's [128, 64] slabs at 4 warps hold: a whole row of a K = V = 128 head at 8 warps, so a
+    program issues all of its state loads at once (batch-1 latency). Smaller slabs get fewer warps (at least 8 values
+    a thread: no thread repeats another's)."""
+    splits = 1
+    while heads * splits * 2 <= multiprocessors and V // (2 * splits) >= MIN_SPLIT_WIDTH:
+        splits *= 2
+    bv = min(V // splits, max(16, 128 * 128 // K))
+    return FusedDecodeLaunch(bv=bv, warps=max(1, min(8, K * bv // 2048)), splits=splits)
+
+
+_HEAD_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def head_counters(device: torch.device, heads: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least ``heads`` of them, that the split programs of a head count themselves on (the
+    last resets its counter). One set per device, reused by every call, so a CUDA graph replays with the same
+    addresses; a larger batch adds a larger set and keeps the old ones alive for the graphs that hold them. Calls on
+    one device share them, so two decoding steps must not run concurrently on different streams."""
+    sets = _HEAD_COUNTERS.setdefault(device, [])
+    if not sets or sets[-1].numel() < heads:
+        sets.append(torch.zeros(max(heads, 1024), dtype=torch.int32, device=device))
+    return sets[-1]
 
 
 @triton.jit
@@ -87,41 +114,50 @@ def _logits(x, w, i_b, rows, width, R: tl.constexpr):
 
 
 @triton.jit
-def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, state, gate, gate_w, norm_w, o, scale,
-                         lb, eps, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
-                         WP: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr, G_RANK: tl.constexpr,
-                         GATE_RANK: tl.constexpr):
-    i_bh = tl.program_id(0)
+def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, state, gate, gate_w, norm_w, o,
+                         gated, partial_sq, counters, scale, lb, eps, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+                         SPLITS: tl.constexpr, BOUNDED: tl.constexpr, G_RANK: tl.constexpr, GATE_RANK: tl.constexpr):
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
+    VS: tl.constexpr = V // SPLITS  # this program's V channels: [i_s * VS, (i_s + 1) * VS)
     o_k = tl.arange(0, K)
     bq, q_window = _conv_window(qkv, conv_w, conv_state, i_b, i_h * K + o_k, C, W, WP)
     bk, k_window = _conv_window(qkv, conv_w, conv_state, i_b, H * K + i_h * K + o_k, C, W, WP)
     bg = _logits(g, g_w, i_b, i_h * K + o_k, H * K, G_RANK)
     bq, bk, decay, bb = head_step_inputs(bq, bk, bg, tl.load(beta + i_bh), A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
     sum_sq = tl.zeros((BV,), dtype=tl.float32)
-    for v0 in tl.static_range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
+    for v0 in tl.static_range(0, VS, BV):
+        o_v = i_s * VS + v0 + tl.arange(0, BV)
         bv, v_window = _conv_window(qkv, conv_w, conv_state, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
         ps = (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
         S, bo = delta_step(tl.load(state + ps), bq, bk, bv, decay, bb)
-        bo = bo.to(o.dtype.element_ty)  # the attention output as the separate decode step returns it
+        bo = bo.to(o.dtype.element_ty).to(tl.float32)  # the attention output as the separate decode step returns it
         tl.debug_barrier()  # every thread has read this slab and these conv state rows before any is overwritten
         tl.store(state + ps, S)
         _shift_in(conv_state, v_window, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
-        tl.store(o + i_bh * V + o_v, bo)
-        sum_sq += bo.to(tl.float32) * bo.to(tl.float32)
-    _shift_in(conv_state, q_window, i_b, i_h * K + o_k, C, W, WP)  # read before the loop's barrier
-    _shift_in(conv_state, k_window, i_b, H * K + i_h * K + o_k, C, W, WP)
-    tl.debug_barrier()  # the whole output row is stored and visible to every thread
-    r = tl.rsqrt(tl.sum(sum_sq, 0) / V + eps)
-    for v0 in tl.static_range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        bo = tl.load(o + i_bh * V + o_v).to(tl.float32)
-        bw = tl.load(norm_w + o_v).to(tl.float32)
+        sum_sq += bo * bo
         bgate = _logits(gate, gate_w, i_b, i_h * V + o_v, H * V, GATE_RANK)
-        normed = (bo * r * bw * tl.sigmoid(bgate)).to(o.dtype.element_ty)
-        tl.debug_barrier()  # every thread has read this slab of the raw output before any of it is overwritten
-        tl.store(o + i_bh * V + o_v, normed)
+        tl.store(gated + i_bh * V + o_v, bo * tl.load(norm_w + o_v).to(tl.float32) * tl.sigmoid(bgate))
+    total = tl.sum(sum_sq, 0)
+    if SPLITS > 1:
+        tl.store(partial_sq + i_bh * SPLITS + i_s, total)
+        tl.debug_barrier()  # this program's reads of the q / k conv rows and its stores precede its count
+        last = tl.atomic_add(counters + i_bh, 1, sem="acq_rel") == SPLITS - 1
+    else:
+        last = True
+    if last:  # every program of the head has read the q / k conv rows and stored its part of the row
+        _shift_in(conv_state, q_window, i_b, i_h * K + o_k, C, W, WP)
+        _shift_in(conv_state, k_window, i_b, H * K + i_h * K + o_k, C, W, WP)
+        if SPLITS > 1:
+            total = tl.sum(tl.load(partial_sq + i_bh * SPLITS + tl.arange(0, SPLITS), cache_modifier=".cg"), 0)
+            tl.store(counters + i_bh, 0)
+        tl.debug_barrier()  # the gated row is stored and visible to every thread
+        r = tl.rsqrt(total / V + eps)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            y = tl.load(gated + i_bh * V + o_v, cache_modifier=".cg")
+            tl.store(o + i_bh * V + o_v, (y * r).to(o.dtype.element_ty))
 
 
 def launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, dt_bias, state, gate, gate_weight,
@@ -131,11 +167,14 @@ def launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, 
     B, H, K, V = state.shape
     W = conv_weight.shape[1]
     o = torch.empty(B, H * V, device=qkv.device, dtype=qkv.dtype)
-    _fused_decode_kernel[(B * H,)](
+    gated = torch.empty(B, H * V, device=qkv.device, dtype=torch.float32)  # the gated output row before the norm
+    partial_sq = torch.empty(B * H, launch.splits, device=qkv.device, dtype=torch.float32)  # each split's sum
+    counters = head_counters(qkv.device, B * H) if launch.splits > 1 else partial_sq  # one split: never read
+    _fused_decode_kernel[(B * H, launch.splits)](
         qkv, conv_weight, conv_state, g, g if g_weight is None else g_weight, beta, A_log, dt_bias, state, gate,
-        gate if gate_weight is None else gate_weight, norm_weight, o, scale,
+        gate if gate_weight is None else gate_weight, norm_weight, o, gated, partial_sq, counters, scale,
         float(gate_lower_bound) if gate_lower_bound is not None else 0.0, eps,
-        H=H, K=K, V=V, C=qkv.shape[1], W=W, WP=triton.next_power_of_2(W), BV=launch.bv,
+        H=H, K=K, V=V, C=qkv.shape[1], W=W, WP=triton.next_power_of_2(W), BV=launch.bv, SPLITS=launch.splits,
         BOUNDED=gate_lower_bound is not None, G_RANK=0 if g_weight is None else g_weight.shape[1],
         GATE_RANK=0 if gate_weight is None else gate_weight.shape[1], num_warps=launch.warps)
     return o
@@ -147,7 +186,8 @@ def _layer_step(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.
                 eps: float, gate_lower_bound: Optional[float], scale: float) -> torch.Tensor:
     return launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, dt_bias, state, gate,
                                gate_weight, norm_weight, eps, gate_lower_bound, scale,
-                               fused_decode_launch(state.shape[2], state.shape[3]))
+                               fused_decode_launch(state.shape[0] * state.shape[1], state.shape[2], state.shape[3],
+                                                   multiprocessor_count(state.device)))
 
 
 kda_layer_decode_step_op = torch.library.custom_op("kda_moe::kda_layer_decode_step", _layer_step,
