@@ -238,6 +238,26 @@ def test_fused_step_at_full_size_matches_the_fp32_reference(B, dtype):
 
 
 @on_gpu
+def test_split_steps_decode_through_transformers_compiled_cuda_graph_trees():
+    """Heads of V = 64 split over 2 programs at batch 1; transformers' compiled decoding (inductor's CUDA-graph trees,
+    which refuse a tensor allocated in their warm-up that no output holds) gives the eager step's tokens: the cache
+    reserved the split programs' counters with its states."""
+    from conftest import tiny_model
+
+    assert fused_decode.fused_decode_launch(2, 64, 64, 132).splits == 2
+    model = tiny_model(seed=0, kernel_backend="triton", linear_head_dim=64, layer_types=["linear_attention"] * 5)
+    model = model.to(dev)
+    model.generation_config.decode_steps_per_graph = None  # transformers' loop over its compiled step
+    input_ids = torch.randint(1, 97, (1, 6), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(input_ids, **settings)
+        fused_decode._HEAD_COUNTERS.clear()  # as in a new process: the cache must reserve them
+        tokens = model.generate(input_ids, cache_implementation="static", **settings)
+    assert torch.equal(tokens, expected)
+
+
+@on_gpu
 def test_fused_step_replays_in_a_cuda_graph():
     """Captured once on fixed buffers, each replay is one more decoding step: two replays equal two eager steps."""
     x = step_inputs(4, 16, 128, 128, torch.bfloat16)

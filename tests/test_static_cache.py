@@ -170,6 +170,20 @@ def test_generate_allocates_the_static_cache_for_batch_and_max_length(model):
     assert_one_token_count(cache, input_ids.shape[1] + NEW_TOKENS - 1)  # the last token is never fed back
 
 
+def test_static_kda_layers_reserve_the_fused_steps_counters_with_their_states(model, monkeypatch):
+    """Each KDA layer of a static cache reserves the split decode step's counters for its B x H heads when it allocates
+    its states: before any step is compiled or captured, so that none is allocated inside a CUDA graph's pool."""
+    import kda_moe.modeling.modeling_kda_moe as modeling
+
+    reserved = []
+    monkeypatch.setattr(modeling, "reserve_layer_step_counters", lambda device, heads: reserved.append((device, heads)))
+    input_ids, attention_mask = prompts(2)
+    with torch.no_grad():
+        model.generate(input_ids, attention_mask=attention_mask, cache_implementation="static", **GREEDY)
+    kda_layers = model.config.layer_types.count("linear_attention")
+    assert reserved == [(input_ids.device, 2 * model.config.linear_num_heads)] * kda_layers
+
+
 def test_a_static_cache_built_by_the_caller_allocates_at_the_first_forward(model):
     """`KdaMoeStaticCache(config, max_cache_len)` without a batch size allocates each layer's tensors at the prefill,
     on the device and in the dtype of the layer's own activations (a model spread over several devices)."""

@@ -68,6 +68,8 @@ def head_counters(device: torch.device, heads: int) -> torch.Tensor:
     last resets its counter). One set per device, reused by every call, so a CUDA graph replays with the same
     addresses; a larger batch adds a larger set and keeps the old ones alive for the graphs that hold them. Calls on
     one device share them, so two decoding steps must not run concurrently on different streams."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" name one set
+        device = torch.device("cuda", torch.cuda.current_device())
     sets = _HEAD_COUNTERS.setdefault(device, [])
     if not sets or sets[-1].numel() < heads:
         sets.append(torch.zeros(max(heads, 1024), dtype=torch.int32, device=device))
