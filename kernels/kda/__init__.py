@@ -247,11 +247,12 @@ def kda_layer_decode_step(
                                          norm_weight, eps, backend="torch", **options)
 
 
-def reserve_layer_step_counters(device: torch.device, heads: int) -> None:
+def reserve_layer_step_counters(device: torch.device | str, heads: int) -> None:
     """Allocate the counters that the Triton ``kda_layer_decode_step`` of up to ``heads`` (batch x heads) sequence
     heads counts its split programs on, if it will run on ``device``; they are allocated once and reused. Call it
     outside any CUDA graph (a cache does, with its states): allocated at a first call inside a capture, or inside the
     warm-up of inductor's CUDA-graph trees, they would live in the graph's memory pool."""
+    device = torch.device(device)
     if TRITON_AVAILABLE and device.type == "cuda":
         head_counters(device, heads)
 
