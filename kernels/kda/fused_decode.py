@@ -49,14 +49,14 @@ MIN_SPLIT_WIDTH = 32  # the fewest V channels a program owns when a head is spli
 
 def fused_decode_launch(heads: int, K: int, V: int, multiprocessors: int) -> FusedDecodeLaunch:
     """``heads`` = batch x heads. Each head is split in two until the programs fill the multiprocessors (or a
-    program would own fewer than ``MIN_SPLIT_WIDTH`` channels). Slabs of at most 128 x 128 state values at 64 values a
-    thread, as the decode kernel's [128, 64] slabs at 4 warps hold: a whole row of a K = V = 128 head at 8 warps, so a
-    program issues all of its state loads at once (batch-1 latency). Smaller slabs get fewer warps (at least 8 values
-    a thread: no thread repeats another's)."""
+    program would own fewer than ``MIN_SPLIT_WIDTH`` channels). Slabs of at most 64 x 128 state values at 64 values a
+    thread (4 warps), as the decode kernel's: on an H100, whole 128 x 128 rows at 8 warps took 30% longer once the
+    batch fills the GPU (64 or 256 sequences of 16 heads) and gained 6% at batch 1, where the split programs run
+    instead. Smaller slabs get fewer warps (at least 8 values a thread: no thread repeats another's)."""
     splits = 1
     while heads * splits * 2 <= multiprocessors and V // (2 * splits) >= MIN_SPLIT_WIDTH:
         splits *= 2
-    bv = min(V // splits, max(16, 128 * 128 // K))
+    bv = min(V // splits, max(16, 64 * 128 // K))
     return FusedDecodeLaunch(bv=bv, warps=max(1, min(8, K * bv // 2048)), splits=splits)
 
 
