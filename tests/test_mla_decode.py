@@ -136,16 +136,18 @@ def test_bf16_and_fp16_inputs_follow_the_fp32_reference(monkeypatch):
         assert out.dtype == dtype and rel(out, expected) < tol, dtype
 
 
-def test_long_caches_split_to_fill_the_multiprocessors_and_short_ones_take_one_split():
-    """One wave of programs: at batch 1, 64 heads (two blocks of 32 rows) and 32K positions on 132 multiprocessors
-    the cache is split ~66 ways; at batch 128 one split each; a cache of a few tiles is never split below
-    MIN_TILES_PER_SPLIT tiles a split."""
+def test_caches_split_into_short_chains_of_tiles_until_the_batch_fills_the_multiprocessors():
+    """On 132 multiprocessors: at batch 1 a 2K cache splits into one-tile splits, a 32K cache of 64 heads (two blocks
+    of 32 rows) into splits of MAX_TILES_PER_SPLIT tiles or fewer, about two programs per multiprocessor or more; a
+    batch whose row blocks cover the multiprocessors takes one split, and every split is whole tiles."""
+    short = decode.mla_decode_launch(1, 8, 2048, 256, torch.bfloat16, 132)
+    assert short.split_len == short.block_n
     long = decode.mla_decode_launch(1, 64, 32768, 512, torch.bfloat16, 132)
     splits = -(-32768 // long.split_len)
-    assert long.block_m == 32 and 64 <= 2 * splits <= 132 and long.split_len % long.block_n == 0
+    assert long.block_m == 32 and long.split_len % long.block_n == 0
+    assert long.split_len <= decode.MAX_TILES_PER_SPLIT * long.block_n and 2 * splits >= 132
     assert decode.mla_decode_launch(128, 64, 32768, 512, torch.bfloat16, 132).split_len >= 32768
-    short = decode.mla_decode_launch(1, 8, 100, 512, torch.bfloat16, 132)
-    assert short.split_len >= 100
+    assert decode.mla_decode_launch(1, 8, 100, 512, torch.bfloat16, 132).split_len % 64 == 0
 
 
 def test_custom_op_traces_and_calls_without_autograd_skip_the_dispatcher(monkeypatch):

@@ -24,7 +24,7 @@ import torch
 from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
 from .limits import KERNEL_DTYPES
 
-MIN_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial output than on its cache tiles
+MAX_TILES_PER_SPLIT = 8  # a split is a serial chain of tiles: longer chains leave the GPU waiting on latency
 
 
 @dataclass(frozen=True)
@@ -41,21 +41,31 @@ class MlaDecodeLaunch:
 def mla_decode_launch(batch: int, rows: int, S: int, L: int, dtype: torch.dtype,
                       multiprocessors: int) -> MlaDecodeLaunch:
     """16-bit inputs: blocks of up to 32 query rows, so the ``[block_m, L]`` fp32 accumulator stays at 64 values a
-    thread (8 warps at L = 512: 210 registers and no spill for sm_90 in Triton 3.9's compile report; 64 rows spill,
-    and more blocks only re-read a tile from L2), and 32-position tiles (36 KB of latent + rope at L = 512, R = 64,
-    double-buffered). fp32 operands take twice the registers: 16 x 16 tiles at 8 warps, single-buffered (at L = 512
-    still ~3 KB of spill a thread: fp32 decoding is for exact checks, not for speed). The cache is split so that one
-    wave of programs covers the multiprocessors, every split at least ``MIN_TILES_PER_SPLIT`` tiles long. Not yet
-    timed on a GPU."""
+    thread at 8 warps (L = 512: 210 registers and no spill for sm_90 in Triton 3.9's compile report; 64 rows spill,
+    and more blocks only re-read a tile from L2), 64-position tiles double-buffered (72 KB of latent + rope a stage at
+    L = 512, R = 64), and a warp per 1024 accumulator values (4 warps for 16 rows at L = 256, 8 for 32 rows at 512).
+    fp32 operands take twice the registers: 16 x 16 tiles at 8 warps, single-buffered (at L = 512 still ~3 KB of
+    spill a thread: fp32 decoding is for exact checks, not for speed).
+
+    A split is a serial chain of tiles, and a decoding step's grid is small, so a cache is cut into short splits:
+    about two programs per multiprocessor, at most ``MAX_TILES_PER_SPLIT`` tiles and at least one each (a 2K cache at
+    batch 1: 32 one-tile splits). On an H100 these picks were the fastest of 24 settings (tile 32 / 64, 2 / 4 / 8
+    warps, 1-8 tiles a split), or within 11% of it, for the anchor's and K3's MLA at batch 1 and 32 with 2K and 32K
+    caches (``benchmarks/mla_decode.py``). A batch whose row blocks alone cover the multiprocessors takes one split:
+    cut further, K3's partial outputs (fp32 rows of 96 heads) would add two thirds to the cache's bytes."""
     wide = dtype.itemsize <= 2
+    DL = max(16, triton.next_power_of_2(L))
     block_m = min(32 if wide else 16, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if wide else 16
-    warps = max(1, min(8, block_m * max(16, triton.next_power_of_2(L)) // 2048)) if wide else 8
+    block_n = 64 if wide else 16
+    warps = max(1, min(8, block_m * DL // 1024)) if wide else 8
     tiles = triton.cdiv(S, block_n)
     programs = batch * triton.cdiv(rows, block_m)
-    splits = max(1, min(triton.cdiv(multiprocessors, programs), tiles // MIN_TILES_PER_SPLIT))
-    return MlaDecodeLaunch(block_m=block_m, block_n=block_n, split_len=triton.cdiv(tiles, splits) * block_n,
-                           warps=warps, stages=2 if wide else 1)
+    per_split = tiles
+    if programs < multiprocessors:
+        per_split = min(MAX_TILES_PER_SPLIT, max(triton.cdiv(tiles * programs, 2 * multiprocessors),
+                                                 triton.cdiv(tiles, multiprocessors)))
+    return MlaDecodeLaunch(block_m=block_m, block_n=block_n, split_len=per_split * block_n, warps=warps,
+                           stages=2 if wide else 1)
 
 
 @triton.jit
