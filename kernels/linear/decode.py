@@ -2,12 +2,13 @@
 ``MAX_PROJECTIONS`` weights ``W_i [n_i, d]``.
 
 A decoding step multiplies one token per sequence by many weights that read the same input (a KDA layer's q, k, v,
-gate and beta projections). One GEMM each is one launch each, and at one row cuBLAS splits a 1024 x 1024 weight
-into a few dozen tiles only, so each launch reads its weight with a fraction of the GPU. Here every program owns
-``BN`` output channels of one weight: the programs of all weights share one grid (weight i's blocks follow weight
-i - 1's), each streams its ``[BN, d]`` rows once, against all token rows (one token's row unpadded, on the CUDA
-cores; more tokens padded to 16, tl.dot's least M, on the tensor cores), with fp32 accumulation (fp32 inputs multiply in full fp32, not tf32), and stores its block rounded to the input dtype. No host
-reads, fixed grid: torch.compile keeps the custom op and a CUDA graph replays it.
+gate and beta projections). One GEMM each is one launch each, and at one row cuBLAS splits a 1024 x 1024 weight into
+a few dozen tiles only, so each launch reads its weight with a fraction of the GPU. Here every program owns ``BN``
+output channels of one weight: the programs of all weights share one grid (weight i's blocks follow weight i - 1's),
+each streams its ``[BN, d]`` rows once, against all token rows (one token's row unpadded, on the CUDA cores; more
+tokens padded to 16, tl.dot's least M, on the tensor cores), with fp32 accumulation (fp32 inputs multiply in full
+fp32, not tf32), and stores its block rounded to the input dtype. No host reads, fixed grid: torch.compile keeps the
+custom op and a CUDA graph replays it.
 
 Consecutive weights can share one output, their products side by side (``group_sizes``): a KDA layer's q, k and v
 leave the kernel as the one ``[N, 3 * H * K]`` tensor its short conv reads, with no concatenation after it.
