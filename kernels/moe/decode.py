@@ -49,11 +49,11 @@ class MoeDecodeLaunch:
 
 
 def moe_decode_launch(tokens: int, hidden: int, intermediate: int) -> MoeDecodeLaunch:
-    """Measured on an H100 (``benchmarks/moe_decode.py``, the anchor's and K3's experts). One token: its row
-    unpadded on the CUDA cores, 2 intermediate / 4 output channels a program and 512-wide slices at 2 warps, so that
-    its k experts spread over thousands of programs (anchor 23.0 us, K3 364 us: the fastest of the 17 settings swept). More
-    tokens: 32 / 64 channels a program on the tensor cores, 128-wide slices up to 32 token rows (the fastest at 32
-    tokens: anchor 100 us, K3 5.97 ms), 64-wide beyond to keep the token tile in registers."""
+    """Measured on an H100 (``benchmarks/moe_decode.py``, the anchor's and K3's experts). One token: its row unpadded
+    on the CUDA cores, 2 intermediate / 4 output channels a program and 512-wide slices at 2 warps, so that its k
+    experts spread over thousands of programs (anchor 23.0 us, K3 364 us: the fastest of the 17 settings swept).
+    More tokens: 32 / 64 channels a program on the tensor cores, 128-wide slices up to 32 token rows (the fastest at
+    32 tokens: anchor 100 us, K3 5.97 ms), 64-wide beyond to keep the token tile in registers."""
     width = max(16, triton.next_power_of_2(max(hidden, intermediate)))
     if tokens == 1:
         return MoeDecodeLaunch(rows=1, block_inter=2, block_out=4, block_k=min(512, width), warps=2, stages=3)
