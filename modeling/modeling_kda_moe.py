@@ -461,7 +461,9 @@ class KdaMoeAttention(nn.Module):
             attn_output = torch.matmul(attn_output.transpose(1, 2), w_uv.mT).transpose(1, 2)  # [B, T, H, v]
         if gate:
             attn_output = attn_output * torch.sigmoid(gate[0]).view(batch_size, seq_len, heads, -1)
-        attn_output = self.o_proj(attn_output.reshape(batch_size, seq_len, -1))
+        (attn_output,) = linear_projections(
+            attn_output.reshape(batch_size, seq_len, -1), self.o_proj, backend=self.config.kernel_backend
+        )
         return attn_output, attn_weights
 
 
@@ -940,7 +942,8 @@ class KdaMoeDeltaAttention(nn.Module):
         elif cache is not None:  # a transformers cache built by the caller
             store_linear_attention_states(cache, self.layer_idx, conv_state, recurrent_state, seq_len)
 
-        return self.o_proj(output.reshape(batch_size, seq_len, width))
+        (output,) = linear_projections(output.reshape(batch_size, seq_len, width), self.o_proj, backend=self.backend)
+        return output
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -959,7 +962,8 @@ class KdaMoeMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = linear_projections(hidden_states, self.gate_proj, self.up_proj, backend=self.backend)
-        return self.down_proj(self.act_fn(gate, up))
+        (output,) = linear_projections(self.act_fn(gate, up), self.down_proj, backend=self.backend)
+        return output
 
 
 # ----------------------------------------------------------------------------------------------------------------

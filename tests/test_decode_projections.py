@@ -145,8 +145,9 @@ def count_kernel_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_model_decodes_through_the_kernel_with_the_torch_backends_tokens(cache, monkeypatch):
     """Prefill (2 x 4 = 8 token rows) and decoding steps (2 rows) of every layer take the kernel: a KDA layer's six
-    input projections, an MLA layer's three (query factor, latent, output gate), each dense MLP's and shared
-    expert's two; greedy tokens equal the torch backend's, scores within fp32 rounding."""
+    input projections, an MLA layer's three (query factor, latent, output gate), each dense MLP's and shared expert's
+    gate and up, then its down, and each attention's output projection; greedy tokens equal the torch backend's,
+    scores within fp32 rounding."""
     calls = count_kernel_calls(monkeypatch)
     models = [tiny_model(seed=0, kernel_backend=backend, **TRITON_HEADS) for backend in ("triton", "torch")]
     config = models[0].config
@@ -156,7 +157,8 @@ def test_model_decodes_through_the_kernel_with_the_torch_backends_tokens(cache, 
         out = [m.generate(input_ids, output_scores=True, return_dict_in_generate=True, **GREEDY, **options)
                for m in models]
     per_forward = sorted([6] * config.layer_types.count("linear_attention")
-                         + [3] * config.layer_types.count("full_attention") + [2] * config.num_hidden_layers)
+                         + [3] * config.layer_types.count("full_attention") + [2, 1] * config.num_hidden_layers
+                         + [1] * config.num_hidden_layers)
     forwards = [calls[i : i + len(per_forward)] for i in range(0, len(calls), len(per_forward))]
     steps = GREEDY["max_new_tokens"] - 1
     assert [rows for rows, _ in calls] == [8] * len(per_forward) + [2] * len(per_forward) * steps
