@@ -20,8 +20,9 @@ both gates, forward and backward, and one decoding step of B sequences through e
 ``decode_launch`` / ``fused_decode_launch`` pick), and the MLA decode attention on MLA_SHAPE (default 1,64,1,4096: B
 sequences, H heads, T new tokens, S cache positions of DeepSeek-V3's latent dims L = 512, R = 64; with and without a
 bool mask, the launch ``mla_decode_launch`` picks for 132 multiprocessors); a stand-in driver names sm_90 as the
-target and every launch compiles its kernel without running it, so the outputs are garbage and only the compiled
-kernels matter. Uses the cuobjdump that ships in the Triton wheel.
+target and every launch compiles its kernel without running it (the decoding kernels as dependent launches, as on
+an H100), so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships in the
+Triton wheel.
 """
 
 import dataclasses
@@ -69,6 +70,9 @@ def compile_all(dtype, forward_fields, backward_fields):
         return kernel
 
     JITFunction.run = compile_only
+    from kda_moe.kernels import dependent_launch
+
+    dependent_launch._supported = lambda device: True  # the decoding kernels as an H100 launches them
     try:
         from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, fused_decode, recurrent
         from kda_moe.kernels.moe import decode as moe_decode

@@ -103,6 +103,18 @@ class StepClock(StoppingCriteria):
         return steps[len(steps) // 2]
 
 
+def dependent_launch_on(dev: str) -> bool:
+    """Whether our decoding kernels launch as programmatically dependent in this run (kernels/dependent_launch.py:
+    on a Hopper GPU unless KDA_MOE_DEPENDENT_LAUNCH=0)."""
+    from kda_moe.kernels.backend import TRITON_AVAILABLE
+
+    if not TRITON_AVAILABLE:
+        return False
+    from kda_moe.kernels.dependent_launch import dependent_launch
+
+    return dependent_launch(torch.device(dev))["DEPENDENT"]
+
+
 def fla_version():
     """The version of fla, whose kernels transformers' Kimi Linear runs on CUDA tensors (read without importing it)."""
     if importlib.util.find_spec("fla") is None:
@@ -282,8 +294,9 @@ def write_tables(res, out):
     """OUTDIR/generate.md and generate.json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}, fla {res['fla']}; "
           f"{res['params'] / 1e6:.0f}M parameters, {res['dtype']}; {res['new_tokens']} greedy tokens per generate(); "
-          f"copy bandwidth {res['copy_GBps']:.0f} GB/s. A step: the median interval between generated tokens (graphed: "
-          "the decode's time over its steps)."]
+          f"copy bandwidth {res['copy_GBps']:.0f} GB/s; our decoding kernels launched dependent: "
+          f"{res.get('dependent_launch', False)}. A step: the median interval between generated tokens (graphed: the "
+          "decode's time over its steps)."]
     generated = [row for row in res["rows"] if row.keys() & set(GENERATE_CASES)]
     if generated:
         md += ["", "| batch x prompt | ours (dynamic cache) | ours (static, compiled, step by step) | ours (static, "
@@ -327,7 +340,8 @@ def main(out, cases=GENERATE_CASES, batches=BATCHES, prompts=PROMPTS, new_tokens
     res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
                transformers=transformers.__version__, fla=fla_version(),
                params=sum(p.numel() for p in ours.parameters()), dtype=str(DTYPE).removeprefix("torch."),
-               new_tokens=new_tokens, copy_GBps=copy_bandwidth(), rows=[])
+               new_tokens=new_tokens, copy_GBps=copy_bandwidth(), dependent_launch=dependent_launch_on(dev),
+               rows=[])
     model_bench.log(f"copy bandwidth {res['copy_GBps']:.0f} GB/s")
     # theirs first: ours compare to it
     order = [case for case in ("theirs", "dynamic", "static", "graphed", "prefill") if case in cases]

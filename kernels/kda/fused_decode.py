@@ -21,6 +21,8 @@ same path without the counter.
 
 Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
 input dtype before the norms, the attention output to the input dtype before the gated RMSNorm; fp32 math otherwise.
+The kernel launches as dependent (``dependent_launch``): its programs start while the projections before it still
+run and wait for their results.
 """
 
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
+from ..dependent_launch import dependent_launch, wait_for_inputs
 from .recurrent import delta_step, head_step_inputs
 from .tile_limits import require_triton_tiles
 
@@ -119,11 +122,13 @@ def _logits(x, w, i_b, rows, width, R: tl.constexpr):
 def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, state, gate, gate_w, norm_w, o,
                          gated, partial_sq, counters, scale, lb, eps, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                         SPLITS: tl.constexpr, BOUNDED: tl.constexpr, G_RANK: tl.constexpr, GATE_RANK: tl.constexpr):
+                         SPLITS: tl.constexpr, BOUNDED: tl.constexpr, G_RANK: tl.constexpr, GATE_RANK: tl.constexpr,
+                         DEPENDENT: tl.constexpr):
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     VS: tl.constexpr = V // SPLITS  # this program's V channels: [i_s * VS, (i_s + 1) * VS)
     o_k = tl.arange(0, K)
+    wait_for_inputs(DEPENDENT)
     bq, q_window = _conv_window(qkv, conv_w, conv_state, i_b, i_h * K + o_k, C, W, WP)
     bk, k_window = _conv_window(qkv, conv_w, conv_state, i_b, H * K + i_h * K + o_k, C, W, WP)
     bg = _logits(g, g_w, i_b, i_h * K + o_k, H * K, G_RANK)
@@ -178,7 +183,8 @@ def launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, 
         float(gate_lower_bound) if gate_lower_bound is not None else 0.0, eps,
         H=H, K=K, V=V, C=qkv.shape[1], W=W, WP=triton.next_power_of_2(W), BV=launch.bv, SPLITS=launch.splits,
         BOUNDED=gate_lower_bound is not None, G_RANK=0 if g_weight is None else g_weight.shape[1],
-        GATE_RANK=0 if gate_weight is None else gate_weight.shape[1], num_warps=launch.warps)
+        GATE_RANK=0 if gate_weight is None else gate_weight.shape[1], num_warps=launch.warps,
+        **dependent_launch(qkv.device))
     return o
 
 

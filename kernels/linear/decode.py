@@ -8,7 +8,8 @@ output channels of one weight: the programs of all weights share one grid (weigh
 each streams its ``[BN, d]`` rows once, against all token rows (one token's row unpadded, on the CUDA cores; more
 tokens padded to 16, tl.dot's least M, on the tensor cores), with fp32 accumulation (fp32 inputs multiply in full
 fp32, not tf32), and stores its block rounded to the input dtype. No host reads, fixed grid: torch.compile keeps the
-custom op and a CUDA graph replays it.
+custom op and a CUDA graph replays it. Launched as dependent (``dependent_launch``), a program loads its first weight
+slab while the kernel that writes x still runs.
 
 Consecutive weights can share one output, their products side by side (``group_sizes``): a KDA layer's q, k and v
 leave the kernel as the one ``[N, 3 * H * K]`` tensor its short conv reads, with no concatenation after it.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
+from ..dependent_launch import dependent_launch, wait_for_inputs
 from .limits import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, fits_projection_kernel, split_groups
 
 
@@ -63,19 +65,33 @@ def accumulate_products(acc, bx, bw):
 
 
 @triton.jit
+def _row_slab(x, o_t, m_t, k0, K: tl.constexpr, BK: tl.constexpr):
+    """Columns ``k0 + [0, BK)`` of the token rows o_t ([ROWS], masked by m_t) of x ``[N, K]``."""
+    o_k = k0 + tl.arange(0, BK)
+    return tl.load(x + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _weight_slab(w, o_n, m_n, k0, K: tl.constexpr, BK: tl.constexpr):
+    """Columns ``k0 + [0, BK)`` of the weight rows o_n ([BN], masked by m_n) of w ``[n, K]``."""
+    o_k = k0 + tl.arange(0, BK)
+    return tl.load(w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _project_block(x, w, o, block, N, n, K: tl.constexpr, LD: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
-    """Output channels ``block * BN + [0, BN)`` of ``o [N, n] = x [N, K] @ w [n, K]^T``; o's rows ``LD`` apart."""
+                   BK: tl.constexpr, DEPENDENT: tl.constexpr):
+    """Output channels ``block * BN + [0, BN)`` of ``o [N, n] = x [N, K] @ w [n, K]^T``; o's rows ``LD`` apart. The
+    first weight slab is loaded before the wait for x (``wait_for_inputs``)."""
     o_t = tl.arange(0, ROWS)
     o_n = block * BN + tl.arange(0, BN)
     m_t, m_n = o_t < N, o_n < n
-    acc = tl.zeros((ROWS, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        bx = tl.load(x + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        bw = tl.load(w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc = accumulate_products(acc, bx, bw)
+    first = _weight_slab(w, o_n, m_n, 0, K, BK)
+    wait_for_inputs(DEPENDENT)
+    acc = accumulate_products(tl.zeros((ROWS, BN), dtype=tl.float32), _row_slab(x, o_t, m_t, 0, K, BK), first)
+    for k0 in range(BK, K, BK):
+        acc = accumulate_products(acc, _row_slab(x, o_t, m_t, k0, K, BK), _weight_slab(w, o_n, m_n, k0, K, BK))
     tl.store(o + o_t[:, None] * LD + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_n[None, :])
 
 
@@ -84,7 +100,7 @@ def _projections_kernel(x, w0, o0, w1, o1, w2, o2, w3, o3, w4, o4, w5, o5, N,
                         n0: tl.constexpr, n1: tl.constexpr, n2: tl.constexpr, n3: tl.constexpr, n4: tl.constexpr,
                         n5: tl.constexpr, ld0: tl.constexpr, ld1: tl.constexpr, ld2: tl.constexpr,
                         ld3: tl.constexpr, ld4: tl.constexpr, ld5: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, DEPENDENT: tl.constexpr):
     # the first program of each weight's blocks (weights beyond the call's count have n = 0: no blocks)
     s1: tl.constexpr = (n0 + BN - 1) // BN
     s2: tl.constexpr = s1 + (n1 + BN - 1) // BN
@@ -93,17 +109,17 @@ def _projections_kernel(x, w0, o0, w1, o1, w2, o2, w3, o3, w4, o4, w5, o5, N,
     s5: tl.constexpr = s4 + (n4 + BN - 1) // BN
     pid = tl.program_id(0)
     if pid < s1:
-        _project_block(x, w0, o0, pid, N, n0, K, ld0, ROWS, BN, BK)
+        _project_block(x, w0, o0, pid, N, n0, K, ld0, ROWS, BN, BK, DEPENDENT)
     elif pid < s2:
-        _project_block(x, w1, o1, pid - s1, N, n1, K, ld1, ROWS, BN, BK)
+        _project_block(x, w1, o1, pid - s1, N, n1, K, ld1, ROWS, BN, BK, DEPENDENT)
     elif pid < s3:
-        _project_block(x, w2, o2, pid - s2, N, n2, K, ld2, ROWS, BN, BK)
+        _project_block(x, w2, o2, pid - s2, N, n2, K, ld2, ROWS, BN, BK, DEPENDENT)
     elif pid < s4:
-        _project_block(x, w3, o3, pid - s3, N, n3, K, ld3, ROWS, BN, BK)
+        _project_block(x, w3, o3, pid - s3, N, n3, K, ld3, ROWS, BN, BK, DEPENDENT)
     elif pid < s5:
-        _project_block(x, w4, o4, pid - s4, N, n4, K, ld4, ROWS, BN, BK)
+        _project_block(x, w4, o4, pid - s4, N, n4, K, ld4, ROWS, BN, BK, DEPENDENT)
     else:
-        _project_block(x, w5, o5, pid - s5, N, n5, K, ld5, ROWS, BN, BK)
+        _project_block(x, w5, o5, pid - s5, N, n5, K, ld5, ROWS, BN, BK, DEPENDENT)
 
 
 def launch_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor], launch: ProjectionLaunch,
@@ -122,7 +138,7 @@ def launch_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
     grid = (sum(triton.cdiv(n, launch.block_out) for n in widths),)
     _projections_kernel[grid](hidden_states, *pointers, N, *widths, *row_strides, K=K, ROWS=launch.rows,
                               BN=launch.block_out, BK=launch.block_k, num_warps=launch.warps,
-                              num_stages=launch.stages)
+                              num_stages=launch.stages, **dependent_launch(hidden_states.device))
     return outputs
 
 

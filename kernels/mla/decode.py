@@ -13,7 +13,8 @@ positions that no row of a block sees are never loaded (predicated loads), so th
 costs its mask reads only.
 
 Accumulation in fp32. bf16 / fp16 inputs go through the tensor cores, the probabilities rounded to the input dtype for
-the value product (as flash attention does); fp32 inputs multiply in IEEE fp32.
+the value product (as flash attention does); fp32 inputs multiply in IEEE fp32. Both kernels launch as dependent
+(``dependent_launch``): their programs start while the kernel before them still runs and wait for its results.
 """
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
+from ..dependent_launch import dependent_launch, wait_for_inputs
 from .limits import KERNEL_DTYPES
 
 MAX_TILES_PER_SPLIT = 8  # a split is a serial chain of tiles: longer chains leave the GPU waiting on latency
@@ -74,7 +76,7 @@ def _mla_split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
                       S, n_splits, split_len, scale,
                       H: tl.constexpr, T: tl.constexpr, L: tl.constexpr, R: tl.constexpr, DL: tl.constexpr,
                       DR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-                      WRITE_LSE: tl.constexpr, PREC: tl.constexpr):
+                      WRITE_LSE: tl.constexpr, PREC: tl.constexpr, DEPENDENT: tl.constexpr):
     """One block of query rows of sequence i_b over split i_split of its cache. MASK: 0 none, 1 bool (as uint8),
     2 float (added to the scores). Writes rows of o ``[B, n_splits, T*H, L]`` (normalised) and, with WRITE_LSE, of lse
     ``[B, n_splits, T*H]`` (-inf where a row saw nothing)."""
@@ -84,6 +86,7 @@ def _mla_split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
     t, h = rows // H, rows % H
     o_l, o_r = tl.arange(0, DL), tl.arange(0, DR)
     in_l, in_r = (o_l < L)[None, :], (o_r < R)[None, :]
+    wait_for_inputs(DEPENDENT)
     bq = tl.load(q + i_b * sq_b + (h * sq_h + t * sq_t)[:, None] + o_l[None, :], mask=row_ok[:, None] & in_l,
                  other=0.0)  # [BM, DL]
     bqr = tl.load(q_rope + i_b * sqr_b + (h * sqr_h + t * sqr_t)[:, None] + o_r[None, :],
@@ -128,7 +131,7 @@ def _mla_split_kernel(q, q_rope, latent, k_rope, mask, o, lse,
 
 @triton.jit
 def _mla_combine_kernel(part_o, part_lse, o, n_splits, ROWS: tl.constexpr, L: tl.constexpr, DL: tl.constexpr,
-                        NS: tl.constexpr, SB: tl.constexpr):
+                        NS: tl.constexpr, SB: tl.constexpr, DEPENDENT: tl.constexpr):
     """Row i_r of sequence i_b: the splits' partial outputs weighted by their share of the softmax sum. The weights
     come from all ``NS >= n_splits`` log-sum-exps at once; the partial outputs are summed ``SB`` splits a step, each
     step's loads independent of the others."""
@@ -136,6 +139,7 @@ def _mla_combine_kernel(part_o, part_lse, o, n_splits, ROWS: tl.constexpr, L: tl
     o_l = tl.arange(0, DL)
     first = i_b * n_splits * ROWS + i_r  # the row in split 0; split s is s * ROWS further
     splits = tl.arange(0, NS)
+    wait_for_inputs(DEPENDENT)
     lse = tl.load(part_lse + first + splits * ROWS, mask=splits < n_splits, other=float("-inf"))  # [NS]
     m = tl.max(lse, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
@@ -175,12 +179,13 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
         S, n_splits, launch.split_len, scale,
         H=H, T=T, L=L, R=R, DL=max(16, triton.next_power_of_2(L)), DR=max(16, triton.next_power_of_2(R)),
         BM=launch.block_m, BN=launch.block_n, MASK=kind, WRITE_LSE=n_splits > 1,
-        PREC="ieee" if latent.dtype == torch.float32 else "tf32", num_warps=launch.warps, num_stages=launch.stages)
+        PREC="ieee" if latent.dtype == torch.float32 else "tf32", num_warps=launch.warps, num_stages=launch.stages,
+        **dependent_launch(latent.device))
     if n_splits > 1:
         DL = max(16, triton.next_power_of_2(L))
         _mla_combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L, DL=DL,
                                        NS=max(16, triton.next_power_of_2(n_splits)), SB=max(1, 4096 // DL),
-                                       num_warps=4)
+                                       num_warps=4, **dependent_launch(latent.device))
     return out
 
 

@@ -20,7 +20,9 @@ last, with weight 1.
 No host reads, no data-dependent shapes (the grids depend on N, k, I and l only), so torch.compile traces the custom
 op and a CUDA graph replays it. Bytes read per call: the distinct chosen experts' ``3 * I * l`` weights, once each,
 plus the tokens' rows. Products accumulate in fp32 (fp32 inputs multiply in full fp32, not tf32); the activation is
-rounded to the input dtype before the down product, as the other expert implementations hand it on.
+rounded to the input dtype before the down product, as the other expert implementations hand it on. The three
+kernels launch as dependent (``dependent_launch``): each one's programs start while the kernel before it still runs
+and wait for its results.
 """
 
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
+from ..dependent_launch import dependent_launch, wait_for_inputs
 from ..linear.decode import accumulate_products
 from .activation import gated_activation
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
@@ -117,10 +120,11 @@ def _down_block(act_rows, rows, w_down, m_o, I: tl.constexpr, ROWS: tl.constexpr
 def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_act, N, E, gate_cap, up_cap,
                    K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                    ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr,
-                   UP_CAP: tl.constexpr):
+                   UP_CAP: tl.constexpr, DEPENDENT: tl.constexpr):
     slot = tl.program_id(0)
     o_t = tl.arange(0, ROWS)
     o_i = tl.program_id(1) * BI + tl.arange(0, BI)
+    wait_for_inputs(DEPENDENT)
     if slot == N * K:  # the shared expert (a slot launched only with one): every token, its own weights
         m_i = o_i < IS
         if tl.program_id(1) * BI < IS:
@@ -142,11 +146,12 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
 @triton.jit
 def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_down, out, N, E, K: tl.constexpr,
                      KP: tl.constexpr, KS: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
-                     ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr):
+                     ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, DEPENDENT: tl.constexpr):
     slot = tl.program_id(0)
     o_t = tl.arange(0, ROWS)
     o_o = tl.program_id(1) * BO + tl.arange(0, BO)
     m_o = o_o < L
+    wait_for_inputs(DEPENDENT)
     if slot == N * K:  # the shared expert: every token's row K, weight 1
         acc = _down_block(shared_act + o_t * IS, o_t < N, shared_down + o_o * IS, m_o, IS, ROWS, BO, BK)
         tl.store(out + (o_t * KS + K)[:, None] * L + o_o[None, :], acc, mask=(o_t < N)[:, None] & m_o[None, :])
@@ -165,10 +170,11 @@ def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_d
 
 
 @triton.jit
-def _moe_sum_kernel(out, y, KS: tl.constexpr, L: tl.constexpr, BO: tl.constexpr):
+def _moe_sum_kernel(out, y, KS: tl.constexpr, L: tl.constexpr, BO: tl.constexpr, DEPENDENT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     o_o = tl.program_id(1) * BO + tl.arange(0, BO)
     m_o = o_o < L
+    wait_for_inputs(DEPENDENT)
     acc = tl.zeros((BO,), dtype=tl.float32)
     for j in tl.static_range(KS):
         acc += tl.load(out + (token * KS + j) * L + o_o, mask=m_o, other=0.0)
@@ -189,15 +195,16 @@ def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, d
     shared_gate, shared_up, shared_down = (hidden_states,) * 3 if shared is None else shared
     shape = dict(K=K, KP=triton.next_power_of_2(K), L=L, I=I, IS=IS, ROWS=launch.rows)
     slots = N * K + (shared is not None)
+    dependent = dependent_launch(hidden_states.device)
     _moe_up_kernel[(slots, triton.cdiv(max(I, IS), launch.block_inter))](
         hidden_states, top_k_index, gate_up_proj, act, shared_gate, shared_up, shared_act, N, E, float(gate_cap),
         0.0 if up_cap is None else float(up_cap), BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ",
-        UP_CAP=up_cap is not None, num_warps=launch.warps, num_stages=launch.stages, **shape)
+        UP_CAP=up_cap is not None, num_warps=launch.warps, num_stages=launch.stages, **shape, **dependent)
     _moe_down_kernel[(slots, triton.cdiv(L, launch.block_out))](
         act, top_k_index, top_k_weights, down_proj, shared_act, shared_down, out, N, E, KS=KS,
-        BO=launch.block_out, BK=launch.block_k, num_warps=launch.warps, num_stages=launch.stages, **shape)
+        BO=launch.block_out, BK=launch.block_k, num_warps=launch.warps, num_stages=launch.stages, **shape, **dependent)
     y = torch.empty_like(hidden_states)
-    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, KS=KS, L=L, BO=SUM_BLOCK, num_warps=4)
+    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, KS=KS, L=L, BO=SUM_BLOCK, num_warps=4, **dependent)
     return y
 
 

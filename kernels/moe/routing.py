@@ -11,12 +11,14 @@ The top-k kernel: one program per token holds its E scores in registers and pick
 max-and-remove (the lowest id among equal scores), then gathers, renormalises and scales the unbiased scores of the
 chosen. Torch needs a sigmoid, a two-pass top-k with its sort, a gather and a sum for the same; at a decoding step
 each of those is a launch of a few microseconds per MoE layer. No host reads, fixed grids: torch.compile keeps the
-custom ops and a CUDA graph replays them.
+custom ops and a CUDA graph replays them. Launched as dependent (``dependent_launch``), the logits kernel's programs
+load their router row, and the top-k kernel's the bias, while the kernel before them still runs.
 """
 
 import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
+from ..dependent_launch import dependent_launch, wait_for_inputs
 from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS
 
 # One warp a token for the top-k: its 3k reductions over the E scores form a serial chain, which within a warp are
@@ -25,17 +27,33 @@ TOP_K_WARPS = 1
 
 
 @triton.jit
-def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
+def _weight_slice(w, d0, D: tl.constexpr, BD: tl.constexpr):
+    """Columns ``d0 + [0, BD)`` of the router row ``[D]`` at w."""
+    o_d = d0 + tl.arange(0, BD)
+    return tl.load(w + o_d, mask=o_d < D, other=0.0)
+
+
+@triton.jit
+def _row_products(x, o_t, m_t, bw, d0, D: tl.constexpr, BD: tl.constexpr):
+    """[ROWS] fp32: columns ``d0 + [0, BD)`` of the token rows o_t (masked by m_t) of x ``[N, D]`` times bw ``[BD]``,
+    summed."""
+    o_d = d0 + tl.arange(0, BD)
+    bx = tl.load(x + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & (o_d < D)[None, :], other=0.0)
+    return tl.sum(bx.to(tl.float32) * bw.to(tl.float32)[None, :], 1)
+
+
+@triton.jit
+def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                          DEPENDENT: tl.constexpr):
     expert = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, ROWS)
     m_t = o_t < N
-    acc = tl.zeros((ROWS,), dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        o_d = d0 + tl.arange(0, BD)
-        m_d = o_d < D
-        bx = tl.load(x + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.0)
-        bw = tl.load(w + expert * D + o_d, mask=m_d, other=0.0)
-        acc += tl.sum(bx.to(tl.float32) * bw.to(tl.float32)[None, :], 1)
+    w += expert * D
+    first = _weight_slice(w, 0, D, BD)  # a weight: read before the wait for x
+    wait_for_inputs(DEPENDENT)
+    acc = _row_products(x, o_t, m_t, first, 0, D, BD)
+    for d0 in range(BD, D, BD):
+        acc += _row_products(x, o_t, m_t, _weight_slice(w, d0, D, BD), d0, D, BD)
     tl.store(logits + o_t * E + expert, acc, mask=m_t)
 
 
@@ -45,7 +63,8 @@ def _router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.T
     if N:
         rows = triton.next_power_of_2(N)
         block_d = min(1024, triton.next_power_of_2(D), max(64, 4096 // rows))  # [rows, BD] fp32: 32 a thread
-        _router_logits_kernel[(E,)](hidden_states, weight, logits, N, E, D=D, ROWS=rows, BD=block_d, num_warps=4)
+        _router_logits_kernel[(E,)](hidden_states, weight, logits, N, E, D=D, ROWS=rows, BD=block_d, num_warps=4,
+                                    **dependent_launch(hidden_states.device))
     return logits
 
 
@@ -75,12 +94,14 @@ def router_logits_triton(hidden_states: torch.Tensor, weight: torch.Tensor) -> t
 
 @triton.jit
 def _sigmoid_top_k_kernel(logits, bias, weights, indices, E, scale, K: tl.constexpr, KP: tl.constexpr,
-                          EP: tl.constexpr, RENORMALIZE: tl.constexpr):
+                          EP: tl.constexpr, RENORMALIZE: tl.constexpr, DEPENDENT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, EP)
     m_e = o_e < E
+    bias_e = tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32)  # constant while decoding: read before the wait
+    wait_for_inputs(DEPENDENT)
     scores = tl.sigmoid(tl.load(logits + token * E + o_e, mask=m_e, other=0.0))
-    choice = tl.where(m_e, scores + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32), float("-inf"))
+    choice = tl.where(m_e, scores + bias_e, float("-inf"))
     o_k = tl.arange(0, KP)
     chosen = tl.zeros((KP,), dtype=tl.int64)
     chosen_scores = tl.zeros((KP,), dtype=tl.float32)
@@ -104,7 +125,8 @@ def _sigmoid_top_k(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     if N:
         _sigmoid_top_k_kernel[(N,)](router_logits, bias, weights, indices, E, scale, K=top_k,
                                     KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
-                                    RENORMALIZE=renormalize, num_warps=TOP_K_WARPS)
+                                    RENORMALIZE=renormalize, num_warps=TOP_K_WARPS,
+                                    **dependent_launch(router_logits.device))
     return weights, indices
 
 
