@@ -20,8 +20,8 @@ both gates, forward and backward, and one decoding step of B sequences through e
 ``decode_launch`` / ``fused_decode_launch`` pick), and the MLA decode attention on MLA_SHAPE (default 1,64,1,4096: B
 sequences, H heads, T new tokens, S cache positions of DeepSeek-V3's latent dims L = 512, R = 64; with and without a
 bool mask, the launch ``mla_decode_launch`` picks for 132 multiprocessors); a stand-in driver names sm_90 as the
-target and every launch compiles its kernel without running it (the decoding kernels as dependent launches, as on
-an H100), so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships in the
+target and every launch compiles its kernel without running it (the decoding kernels as dependent launches, as
+graphed decoding on an H100 launches them), so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships in the
 Triton wheel.
 """
 
@@ -72,7 +72,9 @@ def compile_all(dtype, forward_fields, backward_fields):
     JITFunction.run = compile_only
     from kda_moe.kernels import dependent_launch
 
-    dependent_launch._supported = lambda device: True  # the decoding kernels as an H100 launches them
+    dependent_launch._hardware_supports = lambda device: True  # the decoding kernels as graphed decoding launches them
+    dependent = dependent_launch.dependent_launches()
+    dependent.__enter__()
     try:
         from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, fused_decode, recurrent
         from kda_moe.kernels.moe import decode as moe_decode
@@ -122,6 +124,7 @@ def compile_all(dtype, forward_fields, backward_fields):
         compile_mxfp4_grouped_mm(dtype)
     finally:
         JITFunction.run = launch
+        dependent.__exit__(None, None, None)
     return compiled
 
 

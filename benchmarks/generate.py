@@ -104,15 +104,11 @@ class StepClock(StoppingCriteria):
 
 
 def dependent_launch_on(dev: str) -> bool:
-    """Whether our decoding kernels launch as programmatically dependent in this run (kernels/dependent_launch.py:
-    on a Hopper GPU unless KDA_MOE_DEPENDENT_LAUNCH=0)."""
-    from kda_moe.kernels.backend import TRITON_AVAILABLE
+    """Whether the graphed case's kernels launch as programmatically dependent in this run
+    (kernels/dependent_launch.py: on a Hopper GPU unless KDA_MOE_DEPENDENT_LAUNCH=0)."""
+    from kda_moe.kernels.dependent_launch import dependent_launch_supported
 
-    if not TRITON_AVAILABLE:
-        return False
-    from kda_moe.kernels.dependent_launch import dependent_launch
-
-    return dependent_launch(torch.device(dev))["DEPENDENT"]
+    return dependent_launch_supported(torch.device(dev))
 
 
 def fla_version():
@@ -294,7 +290,7 @@ def write_tables(res, out):
     """OUTDIR/generate.md and generate.json from what ``res`` holds so far; returns the markdown."""
     md = [f"GPU: {res['gpu']}; torch {res['torch']}, transformers {res['transformers']}, fla {res['fla']}; "
           f"{res['params'] / 1e6:.0f}M parameters, {res['dtype']}; {res['new_tokens']} greedy tokens per generate(); "
-          f"copy bandwidth {res['copy_GBps']:.0f} GB/s; our decoding kernels launched dependent: "
+          f"copy bandwidth {res['copy_GBps']:.0f} GB/s; graphed blocks' kernels launched dependent: "
           f"{res.get('dependent_launch', False)}. A step: the median interval between generated tokens (graphed: the "
           "decode's time over its steps)."]
     generated = [row for row in res["rows"] if row.keys() & set(GENERATE_CASES)]

@@ -13,13 +13,17 @@ next generate() call of the same batch size.
 
 On a GPU greedy decoding on a compiled static cache takes blocks of `DECODE_STEPS_PER_GRAPH` steps unless
 `generation_config.decode_steps_per_graph` says otherwise (`decode_steps_per_graph`). Without a GPU the blocks run
-step by step (no graph) when asked for, which checks the loop's logic anywhere.
+step by step (no graph) when asked for, which checks the loop's logic anywhere. On Hopper GPUs the step's kernels,
+ours and inductor's, launch as programmatically dependent (`uncaptured_compile_call`).
 """
+
+import functools
 
 import torch
 from transformers.generation import CompileConfig
 
 from ..compat import CACHE_NAME
+from ..kernels.dependent_launch import dependent_launch_supported, dependent_launches
 
 # steps run before the capture: the first compiles the step, the second shows that it needs no recompilation (a
 # compilation inside the capture would fail)
@@ -114,16 +118,34 @@ def decode_step(forward, cache, state: DecodeState, end_ids, pad_id, mla_mask: s
 
 def uncaptured_compile_call(model, compile_config: CompileConfig):
     """`torch.compile(model.__call__)` with `compile_config`'s settings but no CUDA graphs of its own (this module
-    captures them), built once per config."""
+    captures them), built once per config. Where our decoding kernels can launch as dependent
+    (`dependent_launch_supported`) and the config leaves inductor's mode at its default, inductor's kernels launch so
+    too (`triton.enable_pdl`) and the call runs inside `dependent_launches()`: the captured step is one chain of
+    dependent launches."""
     options = compile_config.to_dict()
     if options.get("mode") == "reduce-overhead":
         options["mode"] = "default"
+    dependent = (
+        options.get("backend") == "inductor"
+        and options.get("mode") in (None, "default")
+        and hasattr(torch._inductor.config.triton, "enable_pdl")
+        and dependent_launch_supported(model.device)
+    )
+    if dependent:  # torch.compile takes a mode or options, not both
+        options["mode"], options["options"] = None, {**(options.get("options") or {}), "triton.enable_pdl": True}
     if options.get("options"):
         options["options"] = {**options["options"], "triton.cudagraphs": False}
     key = repr(sorted(options.items()))
     if getattr(model, "_uncaptured_compile", (None,))[0] != key:
-        model._uncaptured_compile = (key, torch.compile(model.__call__, **options))
+        compiled = torch.compile(model.__call__, **options)
+        model._uncaptured_compile = (key, functools.partial(call_dependent, compiled) if dependent else compiled)
     return model._uncaptured_compile[1]
+
+
+def call_dependent(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)` with the decoding kernels launched as dependent (`dependent_launches`)."""
+    with dependent_launches():
+        return forward(*args, **kwargs)
 
 
 class GraphedDecoder:

@@ -15,13 +15,49 @@ from kda_moe.kernels.moe import moe_decode, router_logits, top_k_routing  # noqa
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def test_dependent_only_where_supported_and_not_when_switched_off(monkeypatch):
+def test_dependent_only_inside_the_context_where_supported_and_not_when_switched_off(monkeypatch):
     monkeypatch.delenv(launch_module.ENV_VAR, raising=False)
-    assert launch_module.dependent_launch(torch.device("cpu")) == {"DEPENDENT": False}  # the interpreter
-    monkeypatch.setattr(launch_module, "_supported", lambda device: True)
-    assert launch_module.dependent_launch(torch.device("cpu")) == {"DEPENDENT": True, "launch_pdl": True}
-    monkeypatch.setenv(launch_module.ENV_VAR, "0")
-    assert launch_module.dependent_launch(torch.device("cpu")) == {"DEPENDENT": False}
+    cpu = torch.device("cpu")
+    with launch_module.dependent_launches():
+        assert launch_module.dependent_launch(cpu) == {"DEPENDENT": False}  # the interpreter
+    monkeypatch.setattr(launch_module, "_hardware_supports", lambda device: True)
+    assert launch_module.dependent_launch(cpu) == {"DEPENDENT": False}  # outside: stream order
+    with launch_module.dependent_launches():
+        assert launch_module.dependent_launch(cpu) == {"DEPENDENT": True, "launch_pdl": True}
+        with launch_module.dependent_launches(False):
+            assert launch_module.dependent_launch(cpu) == {"DEPENDENT": False}
+        assert launch_module.dependent_launch(cpu)["DEPENDENT"]
+        monkeypatch.setenv(launch_module.ENV_VAR, "0")
+        assert launch_module.dependent_launch(cpu) == {"DEPENDENT": False}
+    assert not launch_module.dependent_launch_supported(cpu)
+
+
+def test_graphed_decoding_compiles_inductor_kernels_dependent_where_ours_are(monkeypatch):
+    """The graphed path's compile options: inductor's `triton.enable_pdl`, and the compiled call run inside
+    `dependent_launches()`, where supported, unless the config names a mode of its own; never inductor's own CUDA
+    graphs."""
+    from conftest import tiny_model
+    from transformers.generation import CompileConfig
+
+    from kda_moe.modeling import graphed_decoding
+
+    seen = []  # torch.compile's options; the stand-in compiled call returns the launch arguments our kernels get
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: seen.append(options)
+                        or (lambda: launch_module.dependent_launch(torch.device("cpu"))))
+    monkeypatch.setattr(launch_module, "_hardware_supports", lambda device: True)
+    monkeypatch.setattr(graphed_decoding, "dependent_launch_supported", lambda device: True)
+    model = tiny_model(seed=0)
+    forward = graphed_decoding.uncaptured_compile_call(model, CompileConfig(fullgraph=True))
+    assert seen[-1]["mode"] is None
+    assert seen[-1]["options"] == {"triton.enable_pdl": True, "triton.cudagraphs": False}
+    assert forward() == {"DEPENDENT": True, "launch_pdl": True}
+    forward = graphed_decoding.uncaptured_compile_call(model, CompileConfig(fullgraph=True, mode="max-autotune"))
+    assert seen[-1]["mode"] == "max-autotune" and not seen[-1]["options"]
+    assert forward() == {"DEPENDENT": False}
+    monkeypatch.setattr(graphed_decoding, "dependent_launch_supported", lambda device: False)
+    forward = graphed_decoding.uncaptured_compile_call(model, CompileConfig(fullgraph=True))
+    assert seen[-1]["mode"] == "default" and not seen[-1]["options"]
+    assert forward() == {"DEPENDENT": False}
 
 
 def decode_chain(x, weights, router, bias, gate_up, down):
@@ -45,15 +81,15 @@ def test_a_dependent_chain_gives_the_stream_ordered_chain_bit_for_bit(monkeypatc
     gate_up = torch.randn(E, 2 * inter, d, device="cuda", generator=g).div(d ** 0.5).bfloat16()
     down = torch.randn(E, d, inter, device="cuda", generator=g).div(inter ** 0.5).bfloat16()
     x = torch.randn(1, d, device="cuda", generator=g).bfloat16()
+    monkeypatch.delenv(launch_module.ENV_VAR, raising=False)
     with torch.no_grad():
-        monkeypatch.setenv(launch_module.ENV_VAR, "0")
         expected = decode_chain(x, weights, router, bias, gate_up, down)
-        monkeypatch.setenv(launch_module.ENV_VAR, "1")
-        assert launch_module.dependent_launch(x.device)["DEPENDENT"]
-        eager = decode_chain(x, weights, router, bias, gate_up, down)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = decode_chain(x, weights, router, bias, gate_up, down)
+        with launch_module.dependent_launches():
+            assert launch_module.dependent_launch(x.device)["DEPENDENT"]
+            eager = decode_chain(x, weights, router, bias, gate_up, down)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = decode_chain(x, weights, router, bias, gate_up, down)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
