@@ -204,7 +204,8 @@ def test_plot_command_line_draws_the_generate_figure(tmp_path, bench):
 
 def test_decode_profile_writes_the_host_split_and_the_step_table(tmp_path, monkeypatch):
     """benchmarks/decode_profile.py on CPU (no graph: the table lists CPU operators): the step, the host split and
-    an operator table, in the markdown and the json; the timings are not checked."""
+    an operator table, in the markdown and the json; the graphed case without the host split; the timings are not
+    checked."""
     from test_kimi_linear_checkpoints import import_kimi_linear_on_torch, tiny_kimi_linear_config
 
     profile = load_script("decode_profile.py")
@@ -222,6 +223,14 @@ def test_decode_profile_writes_the_host_split_and_the_step_table(tmp_path, monke
     table = (tmp_path / "decode_profile.md").read_text()
     assert "| prepare_inputs_for_generation |" in table and "| the rest: generate()'s own loop |" in table
     assert (tmp_path / "trace.json.gz").exists()
+    graphed = profile.main(str(tmp_path / "graphed"), case="graphed", batch=1, prompt=6, new_tokens=8)
+    assert graphed["case"] == "graphed" and graphed["step_ms"] > 0 and graphed["host_us"] == {}
+    table = (tmp_path / "graphed" / "decode_profile.md").read_text()
+    assert "graphed blocks" in table and "| the step (decode time over its steps) |" in table
+    assert "prepare_inputs_for_generation" not in table
     with pytest.raises(SystemExit, match="new_tokens must be 8 or more"):
         profile.parse_options(["new_tokens=4"])
-    assert profile.parse_options(["batch=8", "prompt=32768"]) == dict(batch=8, prompt=32768)
+    with pytest.raises(SystemExit, match="unknown option"):
+        profile.parse_options(["case=dynamic"])
+    assert profile.parse_options(["batch=8", "prompt=32768", "case=graphed"]) == dict(batch=8, prompt=32768,
+                                                                                       case="graphed")
