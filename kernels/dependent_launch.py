@@ -4,15 +4,16 @@ A batch-1 decoding step is about ninety kernels of a few microseconds each, back
 the latency of its first loads are a large share of its time. Launched as programmatically dependent, a kernel's
 programs may start while the kernel before it in the stream still runs: they compute their addresses and load the
 weights they start with, then wait (``wait_for_inputs``) until that kernel has completed and its stores are visible,
-and only then read anything it may have written. Right after its wait a kernel lets the next one launch, so while a
-kernel waits, only the kernel just before it can still be running: every earlier one has completed.
+and only then read anything it may have written. Right after its wait a kernel lets the next one launch (inductor's
+dependent kernels too), so while a kernel waits, only the kernel just before it can still be running: every earlier
+one has completed, and what it wrote may be read before the wait (the MoE down kernel reads the router's choices so).
 
 It pays where every kernel of the step takes part: graphed decoding compiles the step with inductor's
 ``triton.enable_pdl`` and captures it inside ``dependent_launches()`` (on an H100, batch 1: 348 us of device time a
 step against 398 in stream order; ours dependent among inductor's kernels in stream order took 541). Elsewhere the
 kernels launch in stream order. A kernel takes part through a ``DEPENDENT: tl.constexpr`` argument, set with the
-launch option by ``dependent_launch(device)``; before its wait it may read weights only (nothing a decoding step
-writes) and write nothing. ``KDA_MOE_DEPENDENT_LAUNCH=0`` turns it off everywhere.
+launch option by ``dependent_launch(device)``; before its wait it may read weights and what kernels launched before
+its predecessor wrote, and write nothing. ``KDA_MOE_DEPENDENT_LAUNCH=0`` turns it off everywhere.
 """
 
 import contextlib

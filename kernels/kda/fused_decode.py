@@ -21,8 +21,8 @@ same path without the counter.
 
 Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
 input dtype before the norms, the attention output to the input dtype before the gated RMSNorm; fp32 math otherwise.
-The kernel launches as dependent (``dependent_launch``): its programs start while the projections before it still
-run and wait for their results.
+Launched as dependent (``dependent_launch``), its programs start while the projections before it still run and wait
+for their results.
 """
 
 from dataclasses import dataclass

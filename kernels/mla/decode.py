@@ -13,8 +13,8 @@ positions that no row of a block sees are never loaded (predicated loads), so th
 costs its mask reads only.
 
 Accumulation in fp32. bf16 / fp16 inputs go through the tensor cores, the probabilities rounded to the input dtype for
-the value product (as flash attention does); fp32 inputs multiply in IEEE fp32. Both kernels launch as dependent
-(``dependent_launch``): their programs start while the kernel before them still runs and wait for its results.
+the value product (as flash attention does); fp32 inputs multiply in IEEE fp32. Launched as dependent
+(``dependent_launch``), both kernels' programs start while the kernel before them still runs and wait for its results.
 """
 
 from dataclasses import dataclass

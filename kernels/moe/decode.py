@@ -20,9 +20,10 @@ last, with weight 1.
 No host reads, no data-dependent shapes (the grids depend on N, k, I and l only), so torch.compile traces the custom
 op and a CUDA graph replays it. Bytes read per call: the distinct chosen experts' ``3 * I * l`` weights, once each,
 plus the tokens' rows. Products accumulate in fp32 (fp32 inputs multiply in full fp32, not tf32); the activation is
-rounded to the input dtype before the down product, as the other expert implementations hand it on. The three
-kernels launch as dependent (``dependent_launch``): each one's programs start while the kernel before it still runs
-and wait for its results.
+rounded to the input dtype before the down product, as the other expert implementations hand it on. Launched as
+dependent (``dependent_launch``), each kernel's programs start while the kernel before it still runs: the shared
+expert's up programs and every down program load their first weight slab (the down programs their expert's, from the
+router's choices), then wait for that kernel's results.
 """
 
 from dataclasses import dataclass
@@ -84,35 +85,38 @@ def _expert_of_slot(top_k_index, slot, N, E, K: tl.constexpr, KP: tl.constexpr, 
 
 
 @triton.jit
-def _gated_block(x, rows, w_gate, w_up, m_i, gate_cap, up_cap, L: tl.constexpr, ROWS: tl.constexpr,
-                 BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr, UP_CAP: tl.constexpr):
+def _slab(row_pointers, m_rows, k0, width: tl.constexpr, BK: tl.constexpr):
+    """Columns ``k0 + [0, BK)`` of the rows of length ``width`` at ``row_pointers`` (masked by m_rows; 0 elsewhere)."""
+    o_k = k0 + tl.arange(0, BK)
+    return tl.load(row_pointers[:, None] + o_k[None, :], mask=m_rows[:, None] & (o_k < width)[None, :], other=0.0)
+
+
+@triton.jit
+def _gated_block(x, rows, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, L: tl.constexpr,
+                 ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr, UP_CAP: tl.constexpr):
     """[ROWS, BI] fp32: the gated activation of the token rows marked by ``rows`` ([ROWS]; the others 0) for the
-    weight rows at pointers w_gate / w_up ([BI], masked by m_i), each row of length L read once."""
-    o_t = tl.arange(0, ROWS)
-    acc_gate = tl.zeros((ROWS, BI), dtype=tl.float32)
-    acc_up = tl.zeros((ROWS, BI), dtype=tl.float32)
-    for k0 in range(0, L, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < L
-        bx = tl.load(x + o_t[:, None] * L + o_k[None, :], mask=rows[:, None] & m_k[None, :], other=0.0)
-        m_w = m_i[:, None] & m_k[None, :]
-        acc_gate = accumulate_products(acc_gate, bx, tl.load(w_gate[:, None] + o_k[None, :], mask=m_w, other=0.0))
-        acc_up = accumulate_products(acc_up, bx, tl.load(w_up[:, None] + o_k[None, :], mask=m_w, other=0.0))
+    weight rows at pointers w_gate / w_up ([BI], masked by m_i), each row of length L read once; their first slabs
+    ``first_gate`` / ``first_up`` ([BI, BK], ``_slab``) already loaded."""
+    x_rows = x + tl.arange(0, ROWS) * L
+    bx = _slab(x_rows, rows, 0, L, BK)
+    acc_gate = accumulate_products(tl.zeros((ROWS, BI), dtype=tl.float32), bx, first_gate)
+    acc_up = accumulate_products(tl.zeros((ROWS, BI), dtype=tl.float32), bx, first_up)
+    for k0 in range(BK, L, BK):
+        bx = _slab(x_rows, rows, k0, L, BK)
+        acc_gate = accumulate_products(acc_gate, bx, _slab(w_gate, m_i, k0, L, BK))
+        acc_up = accumulate_products(acc_up, bx, _slab(w_up, m_i, k0, L, BK))
     return gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
 
 
 @triton.jit
-def _down_block(act_rows, rows, w_down, m_o, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr,
+def _down_block(act_rows, rows, w_down, m_o, first, I: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr,
                 BK: tl.constexpr):
     """[ROWS, BO] fp32: the activation rows at pointers act_rows ([ROWS], of length I; those not marked by ``rows``
-    read as 0) times the down rows at pointers w_down ([BO], masked by m_o)."""
-    acc = tl.zeros((ROWS, BO), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < I
-        ba = tl.load(act_rows[:, None] + o_k[None, :], mask=rows[:, None] & m_k[None, :], other=0.0)
-        w = tl.load(w_down[:, None] + o_k[None, :], mask=m_o[:, None] & m_k[None, :], other=0.0)
-        acc = accumulate_products(acc, ba, w)
+    read as 0) times the down rows at pointers w_down ([BO], masked by m_o), their first slab ``first`` already
+    loaded."""
+    acc = accumulate_products(tl.zeros((ROWS, BO), dtype=tl.float32), _slab(act_rows, rows, 0, I, BK), first)
+    for k0 in range(BK, I, BK):
+        acc = accumulate_products(acc, _slab(act_rows, rows, k0, I, BK), _slab(w_down, m_o, k0, I, BK))
     return acc
 
 
@@ -124,21 +128,24 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
     slot = tl.program_id(0)
     o_t = tl.arange(0, ROWS)
     o_i = tl.program_id(1) * BI + tl.arange(0, BI)
-    wait_for_inputs(DEPENDENT)
     if slot == N * K:  # the shared expert (a slot launched only with one): every token, its own weights
         m_i = o_i < IS
+        w_gate, w_up = shared_gate + o_i * L, shared_up + o_i * L
+        first_gate, first_up = _slab(w_gate, m_i, 0, L, BK), _slab(w_up, m_i, 0, L, BK)  # weights: before the wait
+        wait_for_inputs(DEPENDENT)
         if tl.program_id(1) * BI < IS:
-            h = _gated_block(x, o_t < N, shared_gate + o_i * L, shared_up + o_i * L, m_i, gate_cap, up_cap, L, ROWS,
-                             BI, BK, SITU, UP_CAP)
+            h = _gated_block(x, o_t < N, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, L, ROWS, BI, BK,
+                             SITU, UP_CAP)
             tl.store(shared_act + o_t[:, None] * IS + o_i[None, :], h.to(shared_act.dtype.element_ty),
                      mask=(o_t < N)[:, None] & m_i[None, :])
     else:
+        wait_for_inputs(DEPENDENT)  # the experts come from the kernel just before (the router's top-k)
         e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
         m_i = o_i < I
         if owner & (tl.program_id(1) * BI < I):
-            gate_rows = gate_up + e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] pointers; the up rows: + I * L
-            h = _gated_block(x, chose, gate_rows, gate_rows + I * L, m_i, gate_cap, up_cap, L, ROWS, BI, BK, SITU,
-                             UP_CAP)
+            w_gate = gate_up + e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] pointers; the up rows: + I * L
+            h = _gated_block(x, chose, w_gate, w_gate + I * L, m_i, _slab(w_gate, m_i, 0, L, BK),
+                             _slab(w_gate + I * L, m_i, 0, L, BK), gate_cap, up_cap, L, ROWS, BI, BK, SITU, UP_CAP)
             rows = (o_t * K + choice)[:, None] * I  # each token's row of act: the first of its choices that is e
             tl.store(act + rows + o_i[None, :], h.to(act.dtype.element_ty), mask=chose[:, None] & m_i[None, :])
 
@@ -147,25 +154,32 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
 def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_down, out, N, E, K: tl.constexpr,
                      KP: tl.constexpr, KS: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                      ROWS: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, DEPENDENT: tl.constexpr):
+    # Before the wait for the up kernel's activations: the expert of this slot (the router's top-k wrote it, a
+    # launch earlier: complete once this kernel starts) and the first slab of its down rows.
     slot = tl.program_id(0)
     o_t = tl.arange(0, ROWS)
     o_o = tl.program_id(1) * BO + tl.arange(0, BO)
     m_o = o_o < L
-    wait_for_inputs(DEPENDENT)
     if slot == N * K:  # the shared expert: every token's row K, weight 1
-        acc = _down_block(shared_act + o_t * IS, o_t < N, shared_down + o_o * IS, m_o, IS, ROWS, BO, BK)
+        w_down = shared_down + o_o * IS
+        first = _slab(w_down, m_o, 0, IS, BK)
+        wait_for_inputs(DEPENDENT)
+        acc = _down_block(shared_act + o_t * IS, o_t < N, w_down, m_o, first, IS, ROWS, BO, BK)
         tl.store(out + (o_t * KS + K)[:, None] * L + o_o[None, :], acc, mask=(o_t < N)[:, None] & m_o[None, :])
     else:
         e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
         if owner:
-            acc = _down_block(act + (o_t * K + choice) * I, chose, down + e.to(tl.int64) * (L * I) + o_o * I, m_o, I,
-                              ROWS, BO, BK)
+            w_down = down + e.to(tl.int64) * (L * I) + o_o * I
+            first = _slab(w_down, m_o, 0, I, BK)
+            wait_for_inputs(DEPENDENT)
+            acc = _down_block(act + (o_t * K + choice) * I, chose, w_down, m_o, first, I, ROWS, BO, BK)
             for j in tl.static_range(K):  # every (token, choice) that is e gets its own weighted row
                 picked = tl.load(top_k_index + o_t * K + j, mask=o_t < N, other=-1) == e
                 weight = tl.load(top_k_weights + o_t * K + j, mask=picked, other=0.0).to(tl.float32)
                 tl.store(out + (o_t * KS + j)[:, None] * L + o_o[None, :], acc * weight[:, None],
                          mask=picked[:, None] & m_o[None, :])
         elif (e < 0) | (e >= E):  # no expert (an expert-parallel placeholder id): the slot adds nothing
+            wait_for_inputs(DEPENDENT)
             tl.store(out + ((slot // K) * KS + slot % K) * L + o_o, tl.zeros((BO,), dtype=tl.float32), mask=m_o)
 
 
