@@ -19,6 +19,10 @@ try:
     import triton.language as tl
 except ImportError:
     triton = tl = None
+try:  # grid dependency control, for programmatic dependent launches (dependent_launch.py)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 TRITON_AVAILABLE = triton is not None
 BACKENDS = ("auto", "triton", "torch")

@@ -23,12 +23,7 @@ import os
 
 import torch
 
-from .backend import TRITON_AVAILABLE, tl, triton
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # no Triton, or one without grid dependency control: every launch stays in stream order
-    gdc_launch_dependents = gdc_wait = None
+from .backend import TRITON_AVAILABLE, gdc_launch_dependents, gdc_wait, tl, triton
 
 ENV_VAR = "KDA_MOE_DEPENDENT_LAUNCH"
 _ACTIVE = contextvars.ContextVar("kda_moe_dependent_launches", default=False)

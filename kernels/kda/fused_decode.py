@@ -128,6 +128,9 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
     i_b, i_h = i_bh // H, i_bh % H
     VS: tl.constexpr = V // SPLITS  # this program's V channels: [i_s * VS, (i_s + 1) * VS)
     o_k = tl.arange(0, K)
+    ONE_SLAB: tl.constexpr = VS == BV  # a split program's channels are one slab (batch 1): read before the wait
+    if ONE_SLAB:  # the state is this layer's, written a step ago (complete once this kernel starts)
+        first_slab = tl.load(state + (i_bh * K + o_k).to(tl.int64)[:, None] * V + i_s * VS + tl.arange(0, BV)[None, :])
     wait_for_inputs(DEPENDENT)
     bq, q_window = _conv_window(qkv, conv_w, conv_state, i_b, i_h * K + o_k, C, W, WP)
     bk, k_window = _conv_window(qkv, conv_w, conv_state, i_b, H * K + i_h * K + o_k, C, W, WP)
@@ -138,7 +141,7 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
         o_v = i_s * VS + v0 + tl.arange(0, BV)
         bv, v_window = _conv_window(qkv, conv_w, conv_state, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
         ps = (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
-        S, bo = delta_step(tl.load(state + ps), bq, bk, bv, decay, bb)
+        S, bo = delta_step(first_slab if ONE_SLAB else tl.load(state + ps), bq, bk, bv, decay, bb)
         bo = bo.to(o.dtype.element_ty).to(tl.float32)  # the attention output as the separate decode step returns it
         tl.debug_barrier()  # every thread has read this slab and these conv state rows before any is overwritten
         tl.store(state + ps, S)
