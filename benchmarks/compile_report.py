@@ -21,8 +21,8 @@ both gates, forward and backward, and one decoding step of B sequences through e
 sequences, H heads, T new tokens, S cache positions of DeepSeek-V3's latent dims L = 512, R = 64; with and without a
 bool mask, the launch ``mla_decode_launch`` picks for 132 multiprocessors); a stand-in driver names sm_90 as the
 target and every launch compiles its kernel without running it (the decoding kernels as dependent launches, as
-graphed decoding on an H100 launches them), so the outputs are garbage and only the compiled kernels matter. Uses the cuobjdump that ships in the
-Triton wheel.
+graphed decoding on an H100 launches them), so the outputs are garbage and only the compiled kernels matter. Uses
+the cuobjdump that ships in the Triton wheel.
 """
 
 import dataclasses
@@ -70,11 +70,6 @@ def compile_all(dtype, forward_fields, backward_fields):
         return kernel
 
     JITFunction.run = compile_only
-    from kda_moe.kernels import dependent_launch
-
-    dependent_launch._hardware_supports = lambda device: True  # the decoding kernels as graphed decoding launches them
-    dependent = dependent_launch.dependent_launches()
-    dependent.__enter__()
     try:
         from kda_moe.kernels.kda import chunk_bwd, chunk_fwd, fused_decode, recurrent
         from kda_moe.kernels.moe import decode as moe_decode
@@ -124,7 +119,6 @@ def compile_all(dtype, forward_fields, backward_fields):
         compile_mxfp4_grouped_mm(dtype)
     finally:
         JITFunction.run = launch
-        dependent.__exit__(None, None, None)
     return compiled
 
 
@@ -204,7 +198,12 @@ def main():
     configs = [json.loads(a) for a in sys.argv[2:4]] + [{}, {}]
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     print(f"{'kernel#variant (launch order)':<32} warps  regs  spill stack  shared")
-    for name, kernels in compile_all(dtype, configs[0], configs[1]).items():
+    from kda_moe.kernels import dependent_launch
+
+    dependent_launch._hardware_supports = lambda device: True  # the decoding kernels as graphed decoding launches them
+    with dependent_launch.dependent_launches():
+        compiled = compile_all(dtype, configs[0], configs[1])
+    for name, kernels in compiled.items():
         for i, kernel in enumerate(kernels):
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kernel.asm["cubin"])

@@ -65,18 +65,11 @@ def accumulate_products(acc, bx, bw):
 
 
 @triton.jit
-def _row_slab(x, o_t, m_t, k0, K: tl.constexpr, BK: tl.constexpr):
-    """Columns ``k0 + [0, BK)`` of the token rows o_t ([ROWS], masked by m_t) of x ``[N, K]``."""
+def load_slab(row_pointers, m_rows, k0, width: tl.constexpr, BK: tl.constexpr):
+    """Columns ``k0 + [0, BK)`` of the rows of length ``width`` at ``row_pointers`` ([R], masked by m_rows; 0
+    elsewhere): ``[R, BK]``."""
     o_k = k0 + tl.arange(0, BK)
-    return tl.load(x + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _weight_slab(w, o_n, m_n, k0, K: tl.constexpr, BK: tl.constexpr):
-    """Columns ``k0 + [0, BK)`` of the weight rows o_n ([BN], masked by m_n) of w ``[n, K]``."""
-    o_k = k0 + tl.arange(0, BK)
-    return tl.load(w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :],
-                   other=0.0)
+    return tl.load(row_pointers[:, None] + o_k[None, :], mask=m_rows[:, None] & (o_k < width)[None, :], other=0.0)
 
 
 @triton.jit
@@ -87,11 +80,12 @@ def _project_block(x, w, o, block, N, n, K: tl.constexpr, LD: tl.constexpr, ROWS
     o_t = tl.arange(0, ROWS)
     o_n = block * BN + tl.arange(0, BN)
     m_t, m_n = o_t < N, o_n < n
-    first = _weight_slab(w, o_n, m_n, 0, K, BK)
+    x_rows, w_rows = x + o_t * K, w + o_n.to(tl.int64) * K
+    first = load_slab(w_rows, m_n, 0, K, BK)
     wait_for_inputs(DEPENDENT)
-    acc = accumulate_products(tl.zeros((ROWS, BN), dtype=tl.float32), _row_slab(x, o_t, m_t, 0, K, BK), first)
+    acc = accumulate_products(tl.zeros((ROWS, BN), dtype=tl.float32), load_slab(x_rows, m_t, 0, K, BK), first)
     for k0 in range(BK, K, BK):
-        acc = accumulate_products(acc, _row_slab(x, o_t, m_t, k0, K, BK), _weight_slab(w, o_n, m_n, k0, K, BK))
+        acc = accumulate_products(acc, load_slab(x_rows, m_t, k0, K, BK), load_slab(w_rows, m_n, k0, K, BK))
     tl.store(o + o_t[:, None] * LD + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_n[None, :])
 
 

@@ -167,6 +167,7 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
     if n_splits > 1:
         part_o = torch.empty(B, n_splits, rows, L, device=out.device, dtype=torch.float32)
         part_lse = torch.empty(B, n_splits, rows, device=out.device, dtype=torch.float32)
+    DL, dependent = max(16, triton.next_power_of_2(L)), dependent_launch(latent.device)
     mask, kind = latent, 0  # no mask: a pointer the kernel never reads
     if attention_mask is not None:
         mask = attention_mask.expand(B, H, T, S)
@@ -177,15 +178,14 @@ def launch_mla_decode(q_latent, q_rope, latent, k_rope, attention_mask, scale: f
         q_rope.stride(2), latent.stride(0), latent.stride(2), k_rope.stride(0), k_rope.stride(2),
         *(mask.stride() if kind else (0, 0, 0, 0)),
         S, n_splits, launch.split_len, scale,
-        H=H, T=T, L=L, R=R, DL=max(16, triton.next_power_of_2(L)), DR=max(16, triton.next_power_of_2(R)),
+        H=H, T=T, L=L, R=R, DL=DL, DR=max(16, triton.next_power_of_2(R)),
         BM=launch.block_m, BN=launch.block_n, MASK=kind, WRITE_LSE=n_splits > 1,
         PREC="ieee" if latent.dtype == torch.float32 else "tf32", num_warps=launch.warps, num_stages=launch.stages,
-        **dependent_launch(latent.device))
+        **dependent)
     if n_splits > 1:
-        DL = max(16, triton.next_power_of_2(L))
         _mla_combine_kernel[(rows, B)](part_o, part_lse, out, n_splits, ROWS=rows, L=L, DL=DL,
                                        NS=max(16, triton.next_power_of_2(n_splits)), SB=max(1, 4096 // DL),
-                                       num_warps=4, **dependent_launch(latent.device))
+                                       num_warps=4, **dependent)
     return out
 
 

@@ -33,7 +33,7 @@ import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from ..dependent_launch import dependent_launch, wait_for_inputs
-from ..linear.decode import accumulate_products
+from ..linear.decode import accumulate_products, load_slab
 from .activation import gated_activation
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
 
@@ -85,26 +85,19 @@ def _expert_of_slot(top_k_index, slot, N, E, K: tl.constexpr, KP: tl.constexpr, 
 
 
 @triton.jit
-def _slab(row_pointers, m_rows, k0, width: tl.constexpr, BK: tl.constexpr):
-    """Columns ``k0 + [0, BK)`` of the rows of length ``width`` at ``row_pointers`` (masked by m_rows; 0 elsewhere)."""
-    o_k = k0 + tl.arange(0, BK)
-    return tl.load(row_pointers[:, None] + o_k[None, :], mask=m_rows[:, None] & (o_k < width)[None, :], other=0.0)
-
-
-@triton.jit
 def _gated_block(x, rows, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, L: tl.constexpr,
                  ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr, UP_CAP: tl.constexpr):
     """[ROWS, BI] fp32: the gated activation of the token rows marked by ``rows`` ([ROWS]; the others 0) for the
     weight rows at pointers w_gate / w_up ([BI], masked by m_i), each row of length L read once; their first slabs
-    ``first_gate`` / ``first_up`` ([BI, BK], ``_slab``) already loaded."""
+    ``first_gate`` / ``first_up`` ([BI, BK], ``load_slab``) already loaded."""
     x_rows = x + tl.arange(0, ROWS) * L
-    bx = _slab(x_rows, rows, 0, L, BK)
+    bx = load_slab(x_rows, rows, 0, L, BK)
     acc_gate = accumulate_products(tl.zeros((ROWS, BI), dtype=tl.float32), bx, first_gate)
     acc_up = accumulate_products(tl.zeros((ROWS, BI), dtype=tl.float32), bx, first_up)
     for k0 in range(BK, L, BK):
-        bx = _slab(x_rows, rows, k0, L, BK)
-        acc_gate = accumulate_products(acc_gate, bx, _slab(w_gate, m_i, k0, L, BK))
-        acc_up = accumulate_products(acc_up, bx, _slab(w_up, m_i, k0, L, BK))
+        bx = load_slab(x_rows, rows, k0, L, BK)
+        acc_gate = accumulate_products(acc_gate, bx, load_slab(w_gate, m_i, k0, L, BK))
+        acc_up = accumulate_products(acc_up, bx, load_slab(w_up, m_i, k0, L, BK))
     return gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
 
 
@@ -114,9 +107,9 @@ def _down_block(act_rows, rows, w_down, m_o, first, I: tl.constexpr, ROWS: tl.co
     """[ROWS, BO] fp32: the activation rows at pointers act_rows ([ROWS], of length I; those not marked by ``rows``
     read as 0) times the down rows at pointers w_down ([BO], masked by m_o), their first slab ``first`` already
     loaded."""
-    acc = accumulate_products(tl.zeros((ROWS, BO), dtype=tl.float32), _slab(act_rows, rows, 0, I, BK), first)
+    acc = accumulate_products(tl.zeros((ROWS, BO), dtype=tl.float32), load_slab(act_rows, rows, 0, I, BK), first)
     for k0 in range(BK, I, BK):
-        acc = accumulate_products(acc, _slab(act_rows, rows, k0, I, BK), _slab(w_down, m_o, k0, I, BK))
+        acc = accumulate_products(acc, load_slab(act_rows, rows, k0, I, BK), load_slab(w_down, m_o, k0, I, BK))
     return acc
 
 
@@ -131,7 +124,7 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
     if slot == N * K:  # the shared expert (a slot launched only with one): every token, its own weights
         m_i = o_i < IS
         w_gate, w_up = shared_gate + o_i * L, shared_up + o_i * L
-        first_gate, first_up = _slab(w_gate, m_i, 0, L, BK), _slab(w_up, m_i, 0, L, BK)  # weights: before the wait
+        first_gate, first_up = load_slab(w_gate, m_i, 0, L, BK), load_slab(w_up, m_i, 0, L, BK)  # before the wait
         wait_for_inputs(DEPENDENT)
         if tl.program_id(1) * BI < IS:
             h = _gated_block(x, o_t < N, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, L, ROWS, BI, BK,
@@ -144,8 +137,9 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
         m_i = o_i < I
         if owner & (tl.program_id(1) * BI < I):
             w_gate = gate_up + e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] pointers; the up rows: + I * L
-            h = _gated_block(x, chose, w_gate, w_gate + I * L, m_i, _slab(w_gate, m_i, 0, L, BK),
-                             _slab(w_gate + I * L, m_i, 0, L, BK), gate_cap, up_cap, L, ROWS, BI, BK, SITU, UP_CAP)
+            h = _gated_block(x, chose, w_gate, w_gate + I * L, m_i, load_slab(w_gate, m_i, 0, L, BK),
+                             load_slab(w_gate + I * L, m_i, 0, L, BK), gate_cap, up_cap, L, ROWS, BI, BK, SITU,
+                             UP_CAP)
             rows = (o_t * K + choice)[:, None] * I  # each token's row of act: the first of its choices that is e
             tl.store(act + rows + o_i[None, :], h.to(act.dtype.element_ty), mask=chose[:, None] & m_i[None, :])
 
@@ -162,7 +156,7 @@ def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_d
     m_o = o_o < L
     if slot == N * K:  # the shared expert: every token's row K, weight 1
         w_down = shared_down + o_o * IS
-        first = _slab(w_down, m_o, 0, IS, BK)
+        first = load_slab(w_down, m_o, 0, IS, BK)
         wait_for_inputs(DEPENDENT)
         acc = _down_block(shared_act + o_t * IS, o_t < N, w_down, m_o, first, IS, ROWS, BO, BK)
         tl.store(out + (o_t * KS + K)[:, None] * L + o_o[None, :], acc, mask=(o_t < N)[:, None] & m_o[None, :])
@@ -170,7 +164,7 @@ def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_d
         e, chose, choice, owner = _expert_of_slot(top_k_index, slot, N, E, K, KP, ROWS)
         if owner:
             w_down = down + e.to(tl.int64) * (L * I) + o_o * I
-            first = _slab(w_down, m_o, 0, I, BK)
+            first = load_slab(w_down, m_o, 0, I, BK)
             wait_for_inputs(DEPENDENT)
             acc = _down_block(act + (o_t * K + choice) * I, chose, w_down, m_o, first, I, ROWS, BO, BK)
             for j in tl.static_range(K):  # every (token, choice) that is e gets its own weighted row
