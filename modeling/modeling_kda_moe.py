@@ -56,11 +56,11 @@ from ..compat import (
 from ..configuration import KdaMoeTextConfig
 from ..distributed.sharded_loading import check_shards_load
 from ..distributed.tensor_parallel import check_fsdp_with_tensor_parallel, data_parallel_group_of_mesh
+from ..kernels.arrival_counters import reserve_arrival_counters
 from ..kernels.attn_res import attn_res_mix
 from ..kernels.conv import short_conv, short_conv_step
 from ..kernels.backend import resolve_backend
-from ..kernels.kda import (kda_decode_step, kda_layer_decode_step, kimi_delta_attention,
-                           reserve_layer_step_counters)
+from ..kernels.kda import kda_decode_step, kda_layer_decode_step, kimi_delta_attention
 from ..kernels.linear import decode_projections, fits_projection_kernel
 from ..kernels.loss import linear_cross_entropy
 from ..kernels.mla import MLA_DECODE_MAX_TOKENS, mla_decode_attention, mla_decode_backend
@@ -643,7 +643,7 @@ class KdaMoeStaticLinearAttentionCacheLayer(KdaMoeStateLayer):
         """Allocate the zeroed state tensors: conv state in `dtype`, recurrent state in fp32."""
         self.conv_states[0] = torch.zeros(conv_shape, dtype=dtype, device=device)
         self.recurrent_states[0] = torch.zeros(recurrent_shape, dtype=torch.float32, device=device)
-        reserve_layer_step_counters(device, recurrent_shape[0] * recurrent_shape[1])  # before any step is captured
+        reserve_arrival_counters(device, recurrent_shape[0] * recurrent_shape[1])  # before any step is captured
         # the counting layer allocates first (the cache's and a forward's layer order)
         self.tokens_seen = self.tokens_seen.to(device) if self.counts_tokens else self.counting_layer.tokens_seen
         for tensor in (self.conv_states[0], self.recurrent_states[0], self.tokens_seen):

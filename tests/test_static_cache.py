@@ -170,13 +170,14 @@ def test_generate_allocates_the_static_cache_for_batch_and_max_length(model):
     assert_one_token_count(cache, input_ids.shape[1] + NEW_TOKENS - 1)  # the last token is never fed back
 
 
-def test_static_kda_layers_reserve_the_fused_steps_counters_with_their_states(model, monkeypatch):
-    """Each KDA layer of a static cache reserves the split decode step's counters for its B x H heads when it allocates
-    its states: before any step is compiled or captured, so that none is allocated inside a CUDA graph's pool."""
+def test_static_kda_layers_reserve_the_arrival_counters_with_their_states(model, monkeypatch):
+    """Each KDA layer of a static cache reserves the decoding kernels' arrival counters, at least one for each of its
+    B x H heads, when it allocates its states: before any step is compiled or captured, so that none is allocated
+    inside a CUDA graph's pool."""
     import kda_moe.modeling.modeling_kda_moe as modeling
 
     reserved = []
-    monkeypatch.setattr(modeling, "reserve_layer_step_counters", lambda device, heads: reserved.append((device, heads)))
+    monkeypatch.setattr(modeling, "reserve_arrival_counters", lambda device, groups: reserved.append((device, groups)))
     input_ids, attention_mask = prompts(2)
     with torch.no_grad():
         model.generate(input_ids, attention_mask=attention_mask, cache_implementation="static", **GREEDY)

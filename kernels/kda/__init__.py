@@ -11,7 +11,7 @@ from .tile_limits import fits_triton_tiles
 
 if TRITON_AVAILABLE:
     from .chunk import chunk_kda_triton
-    from .fused_decode import head_counters, kda_layer_decode_step_triton
+    from .fused_decode import kda_layer_decode_step_triton
     from .recurrent import kda_decode_step_triton
 
 
@@ -247,22 +247,11 @@ def kda_layer_decode_step(
                                          norm_weight, eps, backend="torch", **options)
 
 
-def reserve_layer_step_counters(device: torch.device | str, heads: int) -> None:
-    """Allocate the counters that the Triton ``kda_layer_decode_step`` of up to ``heads`` (batch x heads) sequence
-    heads counts its split programs on, if it will run on ``device``; they are allocated once and reused. Call it
-    outside any CUDA graph (a cache does, with its states): allocated at a first call inside a capture, or inside the
-    warm-up of inductor's CUDA-graph trees, they would live in the graph's memory pool."""
-    device = torch.device(device)
-    if TRITON_AVAILABLE and device.type == "cuda":
-        head_counters(device, heads)
-
-
 __all__ = [
     "kimi_delta_attention",
     "kda_decode_step",
     "kda_layer_decode_step",
     "kda_layer_decode_step_unfused",
-    "reserve_layer_step_counters",
     "chunk_kda",
     "recurrent_kda",
     "kda_step",

@@ -14,9 +14,9 @@ batch still spreads over the GPU: at batch 1 one program a head would leave all 
 pulling its head's whole state, and gate weights, through one multiprocessor. Every program of a head computes the
 conv-ed, normed q and k rows and the decay itself (a few hundred channels), updates its slabs and the conv state rows
 of its own v channels, and stores its part of the gated output before the norm, with its sum of squares. The
-program that finishes last (a counter per head, taken with an acquire-release atomic after the program's reads and
-stores; the last resets it) then shifts the q / k conv state rows, which every program of the head has read by then,
-and scales the whole row by the norm's reciprocal RMS. One program a head (``splits = 1``, larger batches) takes the
+program that finishes last (``last_to_arrive``: a counter per head, taken after the program's reads and stores) then
+shifts the q / k conv state rows, which every program of the head has read by then, and scales the whole row by the
+norm's reciprocal RMS. One program a head (``splits = 1``, larger batches) takes the
 same path without the counter.
 
 Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
+from ..arrival_counters import arrival_counters, last_to_arrive
 from ..dependent_launch import dependent_launch, wait_for_inputs
 from .recurrent import delta_step, head_step_inputs
 from .tile_limits import require_triton_tiles
@@ -61,22 +62,6 @@ def fused_decode_launch(heads: int, K: int, V: int, multiprocessors: int) -> Fus
         splits *= 2
     bv = min(V // splits, max(16, 64 * 128 // K))
     return FusedDecodeLaunch(bv=bv, warps=max(1, min(8, K * bv // 2048)), splits=splits)
-
-
-_HEAD_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def head_counters(device: torch.device, heads: int) -> torch.Tensor:
-    """Zeroed int32 counters, at least ``heads`` of them, that the split programs of a head count themselves on (the
-    last resets its counter). One set per device, reused by every call, so a CUDA graph replays with the same
-    addresses; a larger batch adds a larger set and keeps the old ones alive for the graphs that hold them. Calls on
-    one device share them, so two decoding steps must not run concurrently on different streams."""
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" name one set
-        device = torch.device("cuda", torch.cuda.current_device())
-    sets = _HEAD_COUNTERS.setdefault(device, [])
-    if not sets or sets[-1].numel() < heads:
-        sets.append(torch.zeros(max(heads, 1024), dtype=torch.int32, device=device))
-    return sets[-1]
 
 
 @triton.jit
@@ -153,7 +138,7 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
     if SPLITS > 1:
         tl.store(partial_sq + i_bh * SPLITS + i_s, total)
         tl.debug_barrier()  # this program's reads of the q / k conv rows and its stores precede its count
-        last = tl.atomic_add(counters + i_bh, 1, sem="acq_rel") == SPLITS - 1
+        last = last_to_arrive(counters, i_bh, SPLITS)
     else:
         last = True
     if last:  # every program of the head has read the q / k conv rows and stored its part of the row
@@ -161,7 +146,6 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
         _shift_in(conv_state, k_window, i_b, H * K + i_h * K + o_k, C, W, WP)
         if SPLITS > 1:
             total = tl.sum(tl.load(partial_sq + i_bh * SPLITS + tl.arange(0, SPLITS), cache_modifier=".cg"), 0)
-            tl.store(counters + i_bh, 0)
         tl.debug_barrier()  # the gated row is stored and visible to every thread
         r = tl.rsqrt(total / V + eps)
         for v0 in tl.static_range(0, V, BV):
@@ -179,7 +163,7 @@ def launch_fused_decode(qkv, conv_weight, conv_state, g, g_weight, beta, A_log, 
     o = torch.empty(B, H * V, device=qkv.device, dtype=qkv.dtype)
     gated = torch.empty(B, H * V, device=qkv.device, dtype=torch.float32)  # the gated output row before the norm
     partial_sq = torch.empty(B * H, launch.splits, device=qkv.device, dtype=torch.float32)  # each split's sum
-    counters = head_counters(qkv.device, B * H) if launch.splits > 1 else partial_sq  # one split: never read
+    counters = arrival_counters(qkv.device, B * H) if launch.splits > 1 else partial_sq  # one split: never read
     _fused_decode_kernel[(B * H, launch.splits)](
         qkv, conv_weight, conv_state, g, g if g_weight is None else g_weight, beta, A_log, dt_bias, state, gate,
         gate if gate_weight is None else gate_weight, norm_weight, o, gated, partial_sq, counters, scale,
