@@ -65,14 +65,24 @@ def fused_decode_launch(heads: int, K: int, V: int, multiprocessors: int) -> Fus
 
 
 @triton.jit
-def _conv_window(x, w, conv_state, i_b, o_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Channels o_c [N] of sequence i_b through the conv step: (SiLU(conv) [N] fp32, rounded to x's dtype as the
-    separate conv step stores it; the window [N, WP], cached inputs then x, in the state's dtype, for ``_shift_in``)."""
+def _conv_inputs(conv_state, w, i_b, o_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """What the conv step of channels o_c [N] of sequence i_b reads besides the new input: the cached inputs [N, WP]
+    (the last column 0), in the state's dtype, and the taps [N, WP] in fp32. Both are there before the step's
+    projections are (the layer's own state, written a step ago, and a weight)."""
     o_w = tl.arange(0, WP)
     cached = tl.load(conv_state + (i_b * C + o_c).to(tl.int64)[:, None] * (W - 1) + o_w[None, :],
                      mask=(o_w < W - 1)[None, :], other=0.0)
-    new = tl.load(x + i_b * C + o_c)
     taps = tl.load(w + o_c[:, None] * W + o_w[None, :], mask=(o_w < W)[None, :], other=0.0).to(tl.float32)
+    return cached, taps
+
+
+@triton.jit
+def _conv_window(x, cached, taps, i_b, o_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Channels o_c [N] of sequence i_b through the conv step, with their ``_conv_inputs``: (SiLU(conv) [N] fp32,
+    rounded to x's dtype as the separate conv step stores it; the window [N, WP], cached inputs then x, in the state's
+    dtype, for ``_shift_in``)."""
+    o_w = tl.arange(0, WP)
+    new = tl.load(x + i_b * C + o_c)
     last = (o_w == W - 1)[None, :]
     y = tl.sum(tl.where(last, new.to(tl.float32)[:, None], cached.to(tl.float32)) * taps, 1)
     y = (y * tl.sigmoid(y)).to(new.dtype).to(tl.float32)
@@ -104,6 +114,24 @@ def _logits(x, w, i_b, rows, width, R: tl.constexpr):
 
 
 @triton.jit
+def _slab_inputs(state, conv_state, conv_w, i_b, i_bh, o_k, o_v, v_c, K: tl.constexpr, V: tl.constexpr,
+                 C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """What the delta step on a [K, BV] slab reads besides the step's projections: the slab of the head's state (rows
+    o_k, columns o_v), and the ``_conv_inputs`` of its v channels v_c."""
+    cached, taps = _conv_inputs(conv_state, conv_w, i_b, v_c, C, W, WP)
+    return tl.load(state + (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]), cached, taps
+
+
+@triton.jit
+def _slab_rows(qkv, gate, gate_w, cached, taps, i_b, i_h, o_v, v_c, H: tl.constexpr, V: tl.constexpr,
+               C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, GATE_RANK: tl.constexpr):
+    """The slab's v rows through the conv step (SiLU(conv) [BV] fp32, the window for ``_shift_in``) and its output
+    gate logits [BV]."""
+    bv, window = _conv_window(qkv, cached, taps, i_b, v_c, C, W, WP)
+    return bv, window, _logits(gate, gate_w, i_b, i_h * V + o_v, H * V, GATE_RANK)
+
+
+@triton.jit
 def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, state, gate, gate_w, norm_w, o,
                          gated, partial_sq, counters, scale, lb, eps, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
@@ -113,26 +141,37 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
     i_b, i_h = i_bh // H, i_bh % H
     VS: tl.constexpr = V // SPLITS  # this program's V channels: [i_s * VS, (i_s + 1) * VS)
     o_k = tl.arange(0, K)
-    ONE_SLAB: tl.constexpr = VS == BV  # a split program's channels are one slab (batch 1): read before the wait
-    if ONE_SLAB:  # the state is this layer's, written a step ago (complete once this kernel starts)
-        first_slab = tl.load(state + (i_bh * K + o_k).to(tl.int64)[:, None] * V + i_s * VS + tl.arange(0, BV)[None, :])
+    q_c, k_c = i_h * K + o_k, H * K + i_h * K + o_k  # conv channels of the head's q and k
+    o_v = i_s * VS + tl.arange(0, BV)  # the first slab's v channels
+    # Before the wait: the conv taps, and this layer's conv inputs and first state slab (written a step ago:
+    # complete once this kernel starts)
+    q_cached, q_taps = _conv_inputs(conv_state, conv_w, i_b, q_c, C, W, WP)
+    k_cached, k_taps = _conv_inputs(conv_state, conv_w, i_b, k_c, C, W, WP)
+    S, v_cached, v_taps = _slab_inputs(state, conv_state, conv_w, i_b, i_bh, o_k, o_v, 2 * H * K + i_h * V + o_v,
+                                       K, V, C, W, WP)
     wait_for_inputs(DEPENDENT)
-    bq, q_window = _conv_window(qkv, conv_w, conv_state, i_b, i_h * K + o_k, C, W, WP)
-    bk, k_window = _conv_window(qkv, conv_w, conv_state, i_b, H * K + i_h * K + o_k, C, W, WP)
-    bg = _logits(g, g_w, i_b, i_h * K + o_k, H * K, G_RANK)
-    bq, bk, decay, bb = head_step_inputs(bq, bk, bg, tl.load(beta + i_bh), A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
+    # every load the first slab needs is issued before the first reduction over the head: one round trip
+    bq, q_window = _conv_window(qkv, q_cached, q_taps, i_b, q_c, C, W, WP)
+    bk, k_window = _conv_window(qkv, k_cached, k_taps, i_b, k_c, C, W, WP)
+    bg = _logits(g, g_w, i_b, q_c, H * K, G_RANK)
+    beta_logit = tl.load(beta + i_bh)
+    bv, v_window, bgate = _slab_rows(qkv, gate, gate_w, v_cached, v_taps, i_b, i_h, o_v, 2 * H * K + i_h * V + o_v,
+                                     H, V, C, W, WP, GATE_RANK)
+    bq, bk, decay, bb = head_step_inputs(bq, bk, bg, beta_logit, A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
     sum_sq = tl.zeros((BV,), dtype=tl.float32)
     for v0 in tl.static_range(0, VS, BV):
-        o_v = i_s * VS + v0 + tl.arange(0, BV)
-        bv, v_window = _conv_window(qkv, conv_w, conv_state, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
-        ps = (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
-        S, bo = delta_step(first_slab if ONE_SLAB else tl.load(state + ps), bq, bk, bv, decay, bb)
+        if v0 > 0:  # a later slab (one program a head, larger batches)
+            o_v = i_s * VS + v0 + tl.arange(0, BV)
+            S, v_cached, v_taps = _slab_inputs(state, conv_state, conv_w, i_b, i_bh, o_k, o_v,
+                                               2 * H * K + i_h * V + o_v, K, V, C, W, WP)
+            bv, v_window, bgate = _slab_rows(qkv, gate, gate_w, v_cached, v_taps, i_b, i_h, o_v,
+                                             2 * H * K + i_h * V + o_v, H, V, C, W, WP, GATE_RANK)
+        S, bo = delta_step(S, bq, bk, bv, decay, bb)
         bo = bo.to(o.dtype.element_ty).to(tl.float32)  # the attention output as the separate decode step returns it
         tl.debug_barrier()  # every thread has read this slab and these conv state rows before any is overwritten
-        tl.store(state + ps, S)
+        tl.store(state + (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :], S)
         _shift_in(conv_state, v_window, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
         sum_sq += bo * bo
-        bgate = _logits(gate, gate_w, i_b, i_h * V + o_v, H * V, GATE_RANK)
         tl.store(gated + i_bh * V + o_v, bo * tl.load(norm_w + o_v).to(tl.float32) * tl.sigmoid(bgate))
     total = tl.sum(sum_sq, 0)
     if SPLITS > 1:
@@ -142,8 +181,8 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
     else:
         last = True
     if last:  # every program of the head has read the q / k conv rows and stored its part of the row
-        _shift_in(conv_state, q_window, i_b, i_h * K + o_k, C, W, WP)
-        _shift_in(conv_state, k_window, i_b, H * K + i_h * K + o_k, C, W, WP)
+        _shift_in(conv_state, q_window, i_b, q_c, C, W, WP)
+        _shift_in(conv_state, k_window, i_b, k_c, C, W, WP)
         if SPLITS > 1:
             total = tl.sum(tl.load(partial_sq + i_bh * SPLITS + tl.arange(0, SPLITS), cache_modifier=".cg"), 0)
         tl.debug_barrier()  # the gated row is stored and visible to every thread
