@@ -205,13 +205,19 @@ class GraphedDecoder:
 
     def run(self, max_new_tokens: int, room: float, capture: bool) -> torch.Tensor:
         """Steps until every row has finished or `max_new_tokens` tokens were made; a block may run past the end
-        while the cache has `room` for that many steps (its extra tokens are cut later). Returns the tokens [B, run]."""
+        while the cache has `room` for that many steps (its extra tokens are cut later). Returns the tokens [B, run].
+
+        The host reads whether any row is unfinished one block late: it launches a block, then waits for the flag
+        of the block before it, so the GPU never idles while the host checks and launches. Up to one block runs
+        after the one in which every row finished; its tokens are cut with the others past the end."""
         k = self.steps_per_graph
         blocks, made = [], 0
         if capture and self.graph is None and max_new_tokens > WARM_UP_STEPS and WARM_UP_STEPS + k <= room:
             blocks.append(self.warm_up_and_capture())
             made = WARM_UP_STEPS
-        while made < max_new_tokens and bool(self.state.unfinished.any()):
+        flags = [UnfinishedFlag(self.device) for _ in range(2)]  # the last two blocks' "a row is unfinished"
+        flags[0].record(self.state.unfinished)
+        while made < max_new_tokens:
             if made + k <= room and (self.graph is not None or not capture):
                 if self.graph is not None:
                     self.graph.replay()
@@ -222,7 +228,31 @@ class GraphedDecoder:
             else:  # no graph, or a block would not fit the cache: the rest step by step
                 blocks.append(self.steps(1))
                 made += 1
+            flags.reverse()
+            flags[0].record(self.state.unfinished)
+            if not flags[1].read():  # every row had finished before this block
+                break
         return torch.cat(blocks, dim=1)[:, :max_new_tokens]
+
+
+class UnfinishedFlag:
+    """Whether any row is unfinished, copied to the host behind the work queued so far, read when that work is done
+    (on a CPU: at once)."""
+
+    def __init__(self, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        self.host = torch.ones((), dtype=torch.bool, pin_memory=self.on_gpu)
+        self.copied = torch.cuda.Event() if self.on_gpu else None
+
+    def record(self, unfinished: torch.Tensor) -> None:
+        self.host.copy_(unfinished.any(), non_blocking=self.on_gpu)
+        if self.on_gpu:
+            self.copied.record()
+
+    def read(self) -> bool:
+        if self.on_gpu:
+            self.copied.synchronize()
+        return bool(self.host)
 
 
 def steps_until_finished(tokens: torch.Tensor, end_ids) -> int:
