@@ -21,8 +21,11 @@ same path without the counter.
 
 Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
 input dtype before the norms, the attention output to the input dtype before the gated RMSNorm; fp32 math otherwise.
-Launched as dependent (``dependent_launch``), its programs start while the projections before it still run and wait
-for their results.
+Launched as dependent (``dependent_launch``), its programs start while the projections before it still run: they
+read the conv taps, the layer's conv inputs and their first state slab (written a step ago), then wait for the
+projections' results. After the wait, every load of the first slab's step (the new q / k / v rows, the gate and
+output-gate inputs with their up-projection weights, beta) is issued before the first reduction over the head, so
+the loads cost one round trip, not one for each stage of the step.
 """
 
 from dataclasses import dataclass
