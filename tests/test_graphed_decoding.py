@@ -83,6 +83,24 @@ def test_a_later_call_reuses_the_decoder_and_its_cache_and_blocks_run_past_the_e
     assert model._graphed_decoder is not decoder
 
 
+def test_decoding_stops_one_block_after_every_row_finished(model):
+    """The host reads a block's unfinished flag while the next block runs: once both rows have produced an end token,
+    at most one more block runs, not the rest of `max_new_tokens`, and the tokens are still transformers'."""
+    input_ids, attention_mask = prompts(2)
+    long = dict(GREEDY, max_new_tokens=40)  # 1 from the prefill, then blocks of 4
+    with torch.no_grad():
+        free = model.generate(input_ids, attention_mask=attention_mask, **dict(long, eos_token_id=None))
+    new = free[:, input_ids.shape[1] :]
+    eos_token_id = [int(new[0, 2]), int(new[1, 3])]
+    with torch.no_grad():
+        expected = model.generate(input_ids, attention_mask=attention_mask, **dict(long, eos_token_id=eos_token_id))
+    tokens = graphed_generate(model, input_ids, attention_mask, max_new_tokens=40, eos_token_id=eos_token_id)
+    assert torch.equal(tokens, expected)
+    finished = expected.shape[1] - input_ids.shape[1]  # the tokens up to the later row's end token
+    steps_run = int(model._graphed_decoder.state.cache_position) - input_ids.shape[1]  # one per token fed back
+    assert finished <= steps_run + 1 <= finished + 2 * 4, (finished, steps_run)
+
+
 def test_batch_of_one_graphed_greedy_gives_the_step_by_step_tokens(model):
     input_ids, attention_mask = prompts(1)
     with torch.no_grad():
