@@ -1,16 +1,15 @@
 """Counters on which the programs of a decoding kernel find the last of them to finish.
 
-Some decoding kernels end with a step that needs every program's results: the fused KDA step's gated RMSNorm over a
-head split across programs, the router's top-k over logits computed a block of experts a program, the MoE decode's
-sum over a token's experts. Instead of a second launch, each program counts itself on a counter of its group with an
-acquire-release atomic after its stores, and the program that takes the last count runs that step and resets the
-counter to zero for the next call (``last_to_arrive``).
+A decoding kernel whose programs each hold a part of a result can end with a step over all of it: the fused KDA
+step's gated RMSNorm over a head split across programs. Instead of a second launch, each program counts itself on a
+counter of its group with an acquire-release atomic after its stores, and the program that takes the last count runs
+that step and resets the counter to zero for the next call (``last_to_arrive``).
 
-The counters are one zeroed int32 tensor per device, shared by every such kernel: a kernel touches them only after
-its dependent-launch wait (``wait_for_inputs``), when every kernel before it has completed, and leaves them at zero.
-They are allocated once, at a fixed address a CUDA graph replays, with room for ``MIN_COUNTERS`` groups or the most
-any call asked for; ``reserve_arrival_counters`` allocates them ahead of a capture. Calls on one device share them,
-so two decoding steps must not run concurrently on different streams.
+The counters are one zeroed int32 tensor per device, shared by every kernel that counts: a kernel touches them only
+after its dependent-launch wait (``wait_for_inputs``), when every kernel before it has completed, and leaves them at
+zero. They are allocated once, at a fixed address a CUDA graph replays, with room for ``MIN_COUNTERS`` groups or the
+most any call asked for; ``reserve_arrival_counters`` allocates them ahead of a capture. Calls on one device share
+them, so two decoding steps must not run concurrently on different streams.
 """
 
 import torch

@@ -16,8 +16,7 @@ conv-ed, normed q and k rows and the decay itself (a few hundred channels), upda
 of its own v channels, and stores its part of the gated output before the norm, with its sum of squares. The
 program that finishes last (``last_to_arrive``: a counter per head, taken after the program's reads and stores) then
 shifts the q / k conv state rows, which every program of the head has read by then, and scales the whole row by the
-norm's reciprocal RMS. One program a head (``splits = 1``, larger batches) takes the
-same path without the counter.
+norm's reciprocal RMS. One program a head (``splits = 1``, larger batches) takes the same path without the counter.
 
 Numerics are those of the three separate ops (``kda_layer_decode_step_unfused``): the conv output is rounded to the
 input dtype before the norms, the attention output to the input dtype before the gated RMSNorm; fp32 math otherwise.
@@ -33,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
 from ..arrival_counters import arrival_counters, last_to_arrive
+from ..backend import multiprocessor_count, op_for_call, refuse_autograd, tl, triton
 from ..dependent_launch import dependent_launch, wait_for_inputs
 from .recurrent import delta_step, head_step_inputs
 from .tile_limits import require_triton_tiles
@@ -117,12 +116,11 @@ def _logits(x, w, i_b, rows, width, R: tl.constexpr):
 
 
 @triton.jit
-def _slab_inputs(state, conv_state, conv_w, i_b, i_bh, o_k, o_v, v_c, K: tl.constexpr, V: tl.constexpr,
-                 C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """What the delta step on a [K, BV] slab reads besides the step's projections: the slab of the head's state (rows
-    o_k, columns o_v), and the ``_conv_inputs`` of its v channels v_c."""
+def _slab_inputs(state, conv_state, conv_w, i_b, ps, v_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """What the delta step on a [K, BV] slab reads besides the step's projections: the slab of the head's state at
+    offsets ps [K, BV], and the ``_conv_inputs`` of its v channels v_c."""
     cached, taps = _conv_inputs(conv_state, conv_w, i_b, v_c, C, W, WP)
-    return tl.load(state + (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]), cached, taps
+    return tl.load(state + ps), cached, taps
 
 
 @triton.jit
@@ -145,35 +143,35 @@ def _fused_decode_kernel(qkv, conv_w, conv_state, g, g_w, beta, A_log, dt_bias, 
     VS: tl.constexpr = V // SPLITS  # this program's V channels: [i_s * VS, (i_s + 1) * VS)
     o_k = tl.arange(0, K)
     q_c, k_c = i_h * K + o_k, H * K + i_h * K + o_k  # conv channels of the head's q and k
-    o_v = i_s * VS + tl.arange(0, BV)  # the first slab's v channels
+    o_v = i_s * VS + tl.arange(0, BV)  # the first slab's v channels, their conv channels and state offsets
+    v_c, ps = 2 * H * K + i_h * V + o_v, (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
     # Before the wait: the conv taps, and this layer's conv inputs and first state slab (written a step ago:
     # complete once this kernel starts)
     q_cached, q_taps = _conv_inputs(conv_state, conv_w, i_b, q_c, C, W, WP)
     k_cached, k_taps = _conv_inputs(conv_state, conv_w, i_b, k_c, C, W, WP)
-    S, v_cached, v_taps = _slab_inputs(state, conv_state, conv_w, i_b, i_bh, o_k, o_v, 2 * H * K + i_h * V + o_v,
-                                       K, V, C, W, WP)
+    S, v_cached, v_taps = _slab_inputs(state, conv_state, conv_w, i_b, ps, v_c, C, W, WP)
     wait_for_inputs(DEPENDENT)
     # every load the first slab needs is issued before the first reduction over the head: one round trip
     bq, q_window = _conv_window(qkv, q_cached, q_taps, i_b, q_c, C, W, WP)
     bk, k_window = _conv_window(qkv, k_cached, k_taps, i_b, k_c, C, W, WP)
     bg = _logits(g, g_w, i_b, q_c, H * K, G_RANK)
     beta_logit = tl.load(beta + i_bh)
-    bv, v_window, bgate = _slab_rows(qkv, gate, gate_w, v_cached, v_taps, i_b, i_h, o_v, 2 * H * K + i_h * V + o_v,
-                                     H, V, C, W, WP, GATE_RANK)
+    bv, v_window, bgate = _slab_rows(qkv, gate, gate_w, v_cached, v_taps, i_b, i_h, o_v, v_c, H, V, C, W, WP,
+                                     GATE_RANK)
     bq, bk, decay, bb = head_step_inputs(bq, bk, bg, beta_logit, A_log, dt_bias, i_h, scale, lb, K, BOUNDED)
     sum_sq = tl.zeros((BV,), dtype=tl.float32)
     for v0 in tl.static_range(0, VS, BV):
         if v0 > 0:  # a later slab (one program a head, larger batches)
             o_v = i_s * VS + v0 + tl.arange(0, BV)
-            S, v_cached, v_taps = _slab_inputs(state, conv_state, conv_w, i_b, i_bh, o_k, o_v,
-                                               2 * H * K + i_h * V + o_v, K, V, C, W, WP)
-            bv, v_window, bgate = _slab_rows(qkv, gate, gate_w, v_cached, v_taps, i_b, i_h, o_v,
-                                             2 * H * K + i_h * V + o_v, H, V, C, W, WP, GATE_RANK)
+            v_c, ps = 2 * H * K + i_h * V + o_v, (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :]
+            S, v_cached, v_taps = _slab_inputs(state, conv_state, conv_w, i_b, ps, v_c, C, W, WP)
+            bv, v_window, bgate = _slab_rows(qkv, gate, gate_w, v_cached, v_taps, i_b, i_h, o_v, v_c, H, V, C, W, WP,
+                                             GATE_RANK)
         S, bo = delta_step(S, bq, bk, bv, decay, bb)
         bo = bo.to(o.dtype.element_ty).to(tl.float32)  # the attention output as the separate decode step returns it
         tl.debug_barrier()  # every thread has read this slab and these conv state rows before any is overwritten
-        tl.store(state + (i_bh * K + o_k).to(tl.int64)[:, None] * V + o_v[None, :], S)
-        _shift_in(conv_state, v_window, i_b, 2 * H * K + i_h * V + o_v, C, W, WP)
+        tl.store(state + ps, S)
+        _shift_in(conv_state, v_window, i_b, v_c, C, W, WP)
         sum_sq += bo * bo
         tl.store(gated + i_bh * V + o_v, bo * tl.load(norm_w + o_v).to(tl.float32) * tl.sigmoid(bgate))
     total = tl.sum(sum_sq, 0)
