@@ -1,12 +1,12 @@
 """Compile every KDA kernel, the MLA decode attention and the MoE decode kernels for an H100 / H200 (sm_90) on a machine
 without a GPU and print what the compiler reports: registers, spill stack and shared memory per kernel (the chunked
 forward and backward, the decode step, the fused layer decode step, the MLA decode's split and combine kernels, the
-MoE decode's up and down kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts: 64 experts, top-8,
-width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections at 1 and 16 tokens, the
-top-k router for 384 experts, the Block AttnRes mix's forward and backward at the anchor config's width 1024 with
-4 blocks and K3's 7168 with 8, and the mxfp4 grouped GEMM of the anchor config's experts, forward and transposed).
-Device time is scarce; spills, shared-memory overflows and compile errors (the
-interpreter accepts code the compiler rejects) show up here for free.
+MoE decode's up, down and sum kernels with SiTU-GLU at 1 and 64 tokens of the anchor config's experts: 64 experts,
+top-8, width 1024, intermediate 512, the projection kernel on a KDA layer's six input projections and its output
+projection at 1 and 16 tokens, the router's logits and top-k for 384 experts, the Block AttnRes mix's forward and
+backward at the anchor config's width 1024 with 4 blocks and K3's 7168 with 8, and the mxfp4 grouped GEMM of the
+anchor config's experts, forward and transposed). Device time is scarce; spills, shared-memory overflows and compile
+errors (the interpreter accepts code the compiler rejects) show up here for free.
 
     [KDA_SHAPE=B,T,H,K] [MLA_SHAPE=B,H,T,S] python benchmarks/compile_report.py [bf16|fp32] [fwd json] [bwd json]
 
@@ -110,8 +110,10 @@ def compile_all(dtype, forward_fields, backward_fields):
             hidden, weights = torch.zeros(tokens, L, dtype=dtype), torch.zeros(tokens, top_k)
             shared = [torch.zeros(I, L, dtype=dtype), torch.zeros(I, L, dtype=dtype), torch.zeros(L, I, dtype=dtype)]
             for shared_expert in (None, shared):  # alone, and with the anchor config's shared expert
+                # as a decoding step runs them: the layer's input RMSNorm inside, the residual added to the sum
                 moe_decode.launch_moe_decode(hidden, index, weights, gate_up, down, shared_expert, "situ", 4.0, 25.0,
-                                             moe_decode.moe_decode_launch(tokens, L, I))
+                                             moe_decode.moe_decode_launch(tokens, L, I), torch.ones(L, dtype=dtype),
+                                             1e-5, torch.zeros_like(hidden))
         compile_projections(dtype)
         compile_routing()
         compile_attn_res(dtype)
@@ -136,14 +138,16 @@ def compile_mla_decode(dtype):
 
 def compile_projections(dtype):
     """The projection kernel on a KDA layer's six input projections of the anchor config (width 1024, 8 heads of
-    128) at 1 and 16 token rows."""
+    128), the layer's input RMSNorm inside, and on its output projection, the residual added, at 1 and 16 token
+    rows."""
     from kda_moe.kernels.linear import MAX_PROJECTION_TOKENS, decode
 
     hidden = 1024
     weights = [torch.zeros(n, hidden, dtype=dtype) for n in (1024, 1024, 1024, 128, 8, 128)]
     for tokens in (1, MAX_PROJECTION_TOKENS):
-        x = torch.zeros(tokens, hidden, dtype=dtype)
-        decode.launch_projections(x, weights, decode.projection_launch(tokens, hidden, dtype))
+        x, launch = torch.zeros(tokens, hidden, dtype=dtype), decode.projection_launch(tokens, hidden, dtype)
+        decode.launch_projections(x, weights, launch, norm_weight=torch.ones(hidden, dtype=dtype), eps=1e-5)
+        decode.launch_projections(x, weights[:1], launch, residual=torch.zeros_like(x))
 
 
 def compile_routing():
@@ -152,7 +156,8 @@ def compile_routing():
     from kda_moe.kernels.moe import routing
 
     for tokens in (1, 64):
-        routing._router_logits(torch.zeros(tokens, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168))
+        routing._router_logits(torch.zeros(tokens, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168),
+                               torch.ones(7168, dtype=torch.bfloat16), 1e-5)  # the layer's input RMSNorm inside
         routing._sigmoid_top_k(torch.zeros(tokens, 384), torch.zeros(384), 8, True, 1.0)
 
 

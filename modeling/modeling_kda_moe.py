@@ -119,28 +119,60 @@ def is_plain_linear(module: nn.Module) -> bool:
     )
 
 
+def is_plain_norm(module: nn.Module, rows: torch.Tensor) -> bool:
+    """A `KdaMoeRMSNorm` whose call on `rows` is its formula alone (no parametrization, it `runs_its_own_forward`)
+    and gives the rows' dtype (its weight has it): a kernel may apply it with its weight and epsilon instead."""
+    return (
+        type(module) is KdaMoeRMSNorm
+        and not parametrize.is_parametrized(module)
+        and runs_its_own_forward(module)
+        and module.weight.dtype == rows.dtype
+    )
+
+
 def linear_projections(
-    hidden_states: torch.Tensor, *linears: nn.Module | tuple[nn.Module, ...], backend: str
+    hidden_states: torch.Tensor,
+    *linears: nn.Module | tuple[nn.Module, ...],
+    backend: str,
+    input_norm: nn.Module | None = None,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Each of `linears` applied to `hidden_states` [..., d]; a tuple of modules gives one output, their products
-    side by side (a KDA layer's q | k | v, the input of its short conv). A decoding step's few tokens go through
-    `decode_projections`, one launch for all of them that writes each tuple's products into one tensor, when the
-    backend resolves to Triton, every module `is_plain_linear` and the kernel takes the tensors
-    (`fits_projection_kernel`) outside autograd and autocast; anything else calls the modules one by one."""
+    """Each of `linears` applied to `input_norm(hidden_states)` [..., d] (`hidden_states` itself without a norm); a
+    tuple of modules gives one output, their products side by side (a KDA layer's q | k | v, the input of its short
+    conv); `residual` is added to the one output (a sublayer's last projection adds its result to the residual
+    stream). A decoding step's few tokens go through `decode_projections`, one launch for all of them that applies the
+    norm to the rows it reads, adds the residual as it stores and writes each tuple's products into one tensor, when
+    the backend resolves to Triton, every module `is_plain_linear`, the norm `is_plain_norm` and the kernel takes the
+    tensors (`fits_projection_kernel`) outside autograd and autocast; anything else calls the norm, then the modules
+    one by one, then adds."""
     groups = [item if isinstance(item, tuple) else (item,) for item in linears]
     modules = [linear for group in groups for linear in group]
     rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, d]
     weights = [linear.weight for linear in modules]
+    norm_weight = None if input_norm is None else input_norm.weight
+    tensors = [hidden_states, *weights, *(t for t in (norm_weight, residual) if t is not None)]
     if (
         not all(map(is_plain_linear, modules))
+        or not (input_norm is None or is_plain_norm(input_norm, hidden_states))
         or not fits_projection_kernel(rows, weights)
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights)))
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         or torch.is_autocast_enabled(hidden_states.device.type)
-        or resolve_backend(backend, hidden_states, *weights) != "triton"
+        or resolve_backend(backend, *tensors) != "triton"
     ):
+        if input_norm is not None:
+            hidden_states = input_norm(hidden_states)
         products = [[linear(hidden_states) for linear in group] for group in groups]
-        return tuple(group[0] if len(group) == 1 else torch.cat(group, dim=-1) for group in products)
-    outputs = decode_projections(rows, weights, backend="triton", group_sizes=[len(group) for group in groups])
+        outputs = tuple(group[0] if len(group) == 1 else torch.cat(group, dim=-1) for group in products)
+        return outputs if residual is None else (residual + outputs[0],)
+    norm = None if input_norm is None else (norm_weight, input_norm.variance_epsilon)
+    outputs = decode_projections(
+        rows,
+        weights,
+        backend="triton",
+        group_sizes=[len(group) for group in groups],
+        input_norm=norm,
+        residual=None if residual is None else residual.reshape(rows.shape[0], -1),
+    )
     return tuple(output.view(*hidden_states.shape[:-1], -1) for output in outputs)
 
 
@@ -380,8 +412,13 @@ class KdaMoeAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         sequence_shard=None,
+        input_norm: KdaMoeRMSNorm | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`residual + o_proj(attention(input_norm(hidden_states)))`, attention weights or None); without
+        `input_norm` / `residual` the input as it is and the output alone. A decoding step's projections apply the
+        norm and add the residual (`linear_projections`)."""
         batch_size, seq_len = hidden_states.shape[:2]
 
         # the projections of the input (in one launch for a decoding step's few tokens): the query or its low-rank
@@ -389,7 +426,8 @@ class KdaMoeAttention(nn.Module):
         query_proj = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         gate_proj = [] if self.g_proj is None else [self.g_proj]
         query, compressed, *gate = linear_projections(
-            hidden_states, query_proj, self.kv_a_proj_with_mqa, *gate_proj, backend=self.config.kernel_backend
+            hidden_states, query_proj, self.kv_a_proj_with_mqa, *gate_proj, backend=self.config.kernel_backend,
+            input_norm=input_norm,
         )
         if self.q_lora_rank is not None:
             query = self.q_b_proj(self.q_a_layernorm(query))
@@ -462,7 +500,8 @@ class KdaMoeAttention(nn.Module):
         if gate:
             attn_output = attn_output * torch.sigmoid(gate[0]).view(batch_size, seq_len, heads, -1)
         (attn_output,) = linear_projections(
-            attn_output.reshape(batch_size, seq_len, -1), self.o_proj, backend=self.config.kernel_backend
+            attn_output.reshape(batch_size, seq_len, -1), self.o_proj, backend=self.config.kernel_backend,
+            residual=residual,
         )
         return attn_output, attn_weights
 
@@ -837,9 +876,13 @@ class KdaMoeDeltaAttention(nn.Module):
         cache: Cache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         sequence_shard=None,
+        input_norm: KdaMoeRMSNorm | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """`sequence_shard` (context parallelism, `kda_moe.distributed`): this forward holds one slice of a sequence
+        """`residual + o_proj(KDA(input_norm(hidden_states)))` (without `input_norm` / `residual`: the input as it is,
+        the output alone); a decoding step's projections apply the norm and add the residual (`linear_projections`).
+        `sequence_shard` (context parallelism, `kda_moe.distributed`): this forward holds one slice of a sequence
         split across ranks; the conv reads the previous slice's last inputs and the delta rule continues the state of
         every earlier slice."""
         batch_size, seq_len = hidden_states.shape[:2]
@@ -854,7 +897,7 @@ class KdaMoeDeltaAttention(nn.Module):
         output_gate_proj = self.g_proj if self.g_proj is not None else self.g_a_proj
         conv_inputs, gate_low_rank, beta_logits, output_gate = linear_projections(
             hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj, output_gate_proj,
-            backend=self.backend,
+            backend=self.backend, input_norm=input_norm,
         )
         if attention_mask is not None:
             beta_logits = beta_logits.masked_fill(pad, torch.finfo(beta_logits.dtype).min)
@@ -942,7 +985,9 @@ class KdaMoeDeltaAttention(nn.Module):
         elif cache is not None:  # a transformers cache built by the caller
             store_linear_attention_states(cache, self.layer_idx, conv_state, recurrent_state, seq_len)
 
-        (output,) = linear_projections(output.reshape(batch_size, seq_len, width), self.o_proj, backend=self.backend)
+        (output,) = linear_projections(
+            output.reshape(batch_size, seq_len, width), self.o_proj, backend=self.backend, residual=residual
+        )
         return output
 
 
@@ -960,9 +1005,17 @@ class KdaMoeMLP(nn.Module):
         self.act_fn = KdaMoeGatedActivation(config)
         self.backend = config.kernel_backend
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = linear_projections(hidden_states, self.gate_proj, self.up_proj, backend=self.backend)
-        (output,) = linear_projections(self.act_fn(gate, up), self.down_proj, backend=self.backend)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_norm: KdaMoeRMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`residual + down(act(gate(x), up(x)))` with `x = input_norm(hidden_states)`, as the attention modules."""
+        gate, up = linear_projections(
+            hidden_states, self.gate_proj, self.up_proj, backend=self.backend, input_norm=input_norm
+        )
+        (output,) = linear_projections(self.act_fn(gate, up), self.down_proj, backend=self.backend, residual=residual)
         return output
 
 
@@ -1098,13 +1151,23 @@ class KdaMoeRouter(nn.Module):
         self._accumulated_count = 0
         self.balancing_group = DEFAULT_GROUP  # the ranks whose statistics balancing pools (`set_balancing_group`)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states [N, d] -> (router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_indices [N, k])."""
+    def forward(
+        self, hidden_states: torch.Tensor, input_norm: KdaMoeRMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states [N, d] -> (router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_indices [N, k]), routed
+        on `input_norm(hidden_states)` with a norm (applied by the logits kernel where it runs)."""
         # the Triton kernels have no backward, the logits kernel takes a decoding step's tokens and the top-k kernel no
         # expert groups: training, prompts and grouped routing take the reference
         needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
         kernel_logits = hidden_states.shape[0] <= MAX_DECODE_TOKENS and not needs_grad
-        logits = router_logits(hidden_states, self.weight, backend=self.backend if kernel_logits else "torch")
+        if input_norm is not None and not (kernel_logits and is_plain_norm(input_norm, hidden_states)):
+            hidden_states, input_norm = input_norm(hidden_states), None
+        logits = router_logits(
+            hidden_states,
+            self.weight,
+            backend=self.backend if kernel_logits else "torch",
+            input_norm=None if input_norm is None else (input_norm.weight, input_norm.variance_epsilon),
+        )
         kernel_routes = self.n_group == 1 and not logits.requires_grad
         topk_weights, topk_indices = top_k_routing(
             logits,
@@ -1361,7 +1424,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
 
     `z = latent_down_proj(x)`; `u = sum_j w_j Expert_j(z)`; `u = latent_norm(u)`; `y = latent_up_proj(u) +
     shared_experts(x)`. With `routed_expert_hidden_size=None` the experts run at full width (no latent path), and a
-    decoding step on Triton runs the shared expert inside the routed experts' decode kernel (`fuses_shared_expert`).
+    decoding step on Triton runs the router and the experts, the shared expert among them, as one `moe_decode` call
+    (`decodes_in_one_call`).
     """
 
     def __init__(self, config: KdaMoeTextConfig):
@@ -1378,36 +1442,55 @@ class KdaMoeSparseMoeBlock(nn.Module):
             else None
         )
 
-    def fuses_shared_expert(self, tokens: torch.Tensor) -> bool:
-        """Whether the routed experts' decode kernel also runs the shared expert (its output joins the same sums):
-        no latent projection (both at the hidden width), routed experts that `takes_decode_kernel` and a shared
-        expert of plain linears (`is_plain_linear`) whose weights the kernel takes and no gradient needs, both modules
-        `runs_its_own_forward`."""
+    def decodes_in_one_call(self, tokens: torch.Tensor, input_norm: KdaMoeRMSNorm | None) -> bool:
+        """Whether the router and one `moe_decode` call run the whole block: no latent projection, routed experts
+        that `takes_decode_kernel` and, if any, a shared expert of plain linears (`is_plain_linear`) whose weights the
+        kernel takes (its output joins the same sums) and no gradient needs; the router, the experts, the shared
+        expert and the norm (`is_plain_norm`) `runs_its_own_forward`. The kernels then apply the input norm and add
+        the residual themselves."""
         shared, experts = self.shared_experts, self.experts
         return (
-            shared is not None
-            and self.latent_down_proj is None
+            self.latent_down_proj is None
             and not experts.is_mxfp4
-            and runs_its_own_forward(shared)
             and runs_its_own_forward(experts)
-            and all(is_plain_linear(linear) for linear in (shared.gate_proj, shared.up_proj, shared.down_proj))
-            and fits_decode_kernel(tokens, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
-            and not (torch.is_grad_enabled() and any(weight.requires_grad for weight in shared.parameters()))
+            and runs_its_own_forward(self.gate)
+            and (input_norm is None or is_plain_norm(input_norm, tokens))
             and experts.takes_decode_kernel(tokens)
+            and (
+                shared is None
+                or runs_its_own_forward(shared)
+                and all(is_plain_linear(linear) for linear in (shared.gate_proj, shared.up_proj, shared.down_proj))
+                and fits_decode_kernel(tokens, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+                and not (torch.is_grad_enabled() and any(weight.requires_grad for weight in shared.parameters()))
+            )
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_norm: KdaMoeRMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`residual + LatentMoE(input_norm(hidden_states))`; without `input_norm` / `residual` the input as it is
+        and the output alone."""
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
-        _, topk_weights, topk_indices = self.gate(tokens)
-        if self.fuses_shared_expert(tokens):
+        if self.decodes_in_one_call(tokens, input_norm):
             experts, shared = self.experts, self.shared_experts
+            norm = None if input_norm is None else (input_norm.weight, input_norm.variance_epsilon)
+            _, topk_weights, topk_indices = self.gate(tokens, input_norm=input_norm)
             output = moe_decode(  # the routing weights stay fp32: the kernel multiplies in fp32
                 tokens, topk_indices, topk_weights, experts.gate_up_proj, experts.down_proj,
                 **experts.act_fn.kernel_options(),
-                shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight), backend="triton",
+                shared=None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight,
+                                                    shared.down_proj.weight),
+                input_norm=norm, residual=None if residual is None else residual.reshape(tokens.shape),
+                backend="triton",
             )
             return output.view(shape)
+        if input_norm is not None:
+            tokens = input_norm(tokens)
+        _, topk_weights, topk_indices = self.gate(tokens)
         latent = tokens if self.latent_down_proj is None else self.latent_down_proj(tokens)
         routed = self.experts(latent, topk_indices, topk_weights.to(latent.dtype))
         if self.latent_norm is not None:
@@ -1415,7 +1498,8 @@ class KdaMoeSparseMoeBlock(nn.Module):
         output = routed if self.latent_up_proj is None else self.latent_up_proj(routed)
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
-        return output.view(shape)
+        output = output.view(shape)
+        return output if residual is None else residual + output
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1524,26 +1608,35 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
         if self.starts_block and self.layer_idx > 0:  # the first block, the embedding, is stored by the model
             blocks = started = torch.cat([blocks, partial[None]], dim=0)
 
-        normed = self.input_layernorm(mixed)
+        # each sublayer applies its input norm and adds its output to the residual it is given: a decoding step's
+        # kernels do both as they read and write the rows, with no kernel between two sublayers
+        residual = None if self.starts_block else partial
         if self.layer_type == "linear_attention":
-            update = self.self_attn(
-                normed, attention_mask=attention_mask, cache=cache, cu_seqlens=cu_seqlens, sequence_shard=sequence_shard
+            partial = self.self_attn(
+                mixed,
+                attention_mask=attention_mask,
+                cache=cache,
+                cu_seqlens=cu_seqlens,
+                sequence_shard=sequence_shard,
+                input_norm=self.input_layernorm,
+                residual=residual,
             )
             attn_weights = None
         else:
-            update, attn_weights = self.self_attn(
-                normed,
+            partial, attn_weights = self.self_attn(
+                mixed,
                 attention_mask=attention_mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
                 sequence_shard=sequence_shard,
+                input_norm=self.input_layernorm,
+                residual=residual,
                 **kwargs,
             )
         self.attention_weights(attn_weights)
-        partial = update if self.starts_block else partial + update
 
         mixed = partial if self.mlp_res is None else self.mlp_res(partial, blocks)
-        partial = partial + self.mlp(self.post_attention_layernorm(mixed))
+        partial = self.mlp(mixed, input_norm=self.post_attention_layernorm, residual=partial)
         return partial, started
 
 

@@ -23,6 +23,7 @@ from kda_testing import rel  # noqa: E402
 
 from kda_moe.kernels import linear  # noqa: E402
 from kda_moe.kernels.linear import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, decode, decode_projections  # noqa: E402
+from kda_moe.modeling.modeling_kda_moe import KdaMoeRMSNorm, KdaMoeSparseMoeBlock  # noqa: E402
 
 dev = "cpu" if INTERPRETED else "cuda"
 GREEDY = dict(max_new_tokens=3, do_sample=False)
@@ -87,6 +88,46 @@ def test_bf16_rounds_the_fp32_sum_once(monkeypatch):
         assert rel(out.double(), F.linear(x.double(), w.double())) < 2 ** -8
 
 
+@pytest.mark.parametrize("tokens", [1, 3, MAX_PROJECTION_TOKENS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_residual_inside_the_kernel_equal_the_eager_layer(tokens, dtype, monkeypatch):
+    """A pre-norm layer's first projections take the RMSNorm in the kernel, its last one the residual add: the
+    same as ``KdaMoeRMSNorm``, F.linear and ``+``, rounded where they round. fp32: within 1e-6 of the largest output
+    (summation order, as above); bf16: within one rounding of the output (2^-8), the kernel's rows being the eager
+    norm's rows up to the order of the sum of squares (which may move a row's rounding by one ulp)."""
+    if INTERPRETED:
+        emulate_bf16(monkeypatch)
+    x, weights = weights_and_input(tokens, dtype=dtype)
+    x = 4 * x  # a residual stream's rows: far from unit RMS
+    norm = KdaMoeRMSNorm(x.shape[1], eps=1e-5).to(dev, dtype)
+    norm.weight.data = torch.rand(x.shape[1], generator=torch.Generator().manual_seed(1)).to(dev, dtype) + 0.5
+    residual = torch.randn(tokens, weights[0].shape[0], device=dev).to(dtype)
+    with torch.no_grad():
+        normed = norm(x)
+        outputs = decode_projections(x, weights, backend="triton", input_norm=(norm.weight, 1e-5))
+        (added,) = decode_projections(normed, weights[:1], backend="triton", residual=residual)
+        (both,) = decode_projections(x, weights[:1], backend="triton", input_norm=(norm.weight, 1e-5),
+                                     residual=residual)
+    bound = 1e-6 if dtype == torch.float32 else 2 ** -8
+    for w, out in zip(weights, outputs):
+        reference = F.linear(normed, w)
+        assert (out.double() - reference.double()).abs().max() <= bound * reference.abs().max()
+    for out in (added, both):
+        reference = residual + F.linear(normed, weights[0])
+        assert (out.double() - reference.double()).abs().max() <= bound * reference.abs().max()
+
+
+def test_norm_and_residual_are_checked_on_both_backends():
+    x, weights = weights_and_input(3)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match="input_norm's weight must be"):
+            decode_projections(x, weights, backend=backend, input_norm=(torch.ones(5, device=dev), 1e-6))
+        with pytest.raises(ValueError, match="a residual is added to the products of one weight"):
+            decode_projections(x, weights, backend=backend, residual=torch.zeros(3, 40, device=dev))
+        with pytest.raises(ValueError, match="a residual is added to the products of one weight"):
+            decode_projections(x, weights[:1], backend=backend, residual=torch.zeros(3, 41, device=dev))
+
+
 @pytest.mark.parametrize(
     "problem,match",
     [
@@ -121,9 +162,12 @@ def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
     the launch code directly, with the op's result."""
     x, weights = weights_and_input(3)
     for group_sizes in ([1] * len(weights), [3, 1, 2]):
-        torch.library.opcheck(decode.decode_projections_op, (x, weights, group_sizes),
+        torch.library.opcheck(decode.decode_projections_op, (x, weights, group_sizes, None, 0.0, None),
                               test_utils=("test_schema", "test_faketensor"))
-    dispatched = decode.decode_projections_op(x, weights, [1] * len(weights))
+    norm_weight, residual = torch.rand(x.shape[1], device=dev), torch.randn(3, weights[0].shape[0], device=dev)
+    torch.library.opcheck(decode.decode_projections_op, (x, weights[:1], [1], norm_weight, 1e-6, residual),
+                          test_utils=("test_schema", "test_faketensor"))
+    dispatched = decode.decode_projections_op(x, weights, [1] * len(weights), None, 0.0, None)
 
     def fail(*args):
         raise AssertionError("the projection op went through the dispatcher without autograd")
@@ -137,7 +181,7 @@ def count_kernel_calls(monkeypatch) -> list:
     calls = []
     kernel = linear.decode_projections_triton
     monkeypatch.setattr(linear, "decode_projections_triton",
-                        lambda x, w, groups: calls.append((x.shape[0], len(w))) or kernel(x, w, groups))
+                        lambda x, w, *options: calls.append((x.shape[0], len(w))) or kernel(x, w, *options))
     return calls
 
 
@@ -165,6 +209,35 @@ def test_model_decodes_through_the_kernel_with_the_torch_backends_tokens(cache, 
     assert all(sorted(count for _, count in forward) == per_forward for forward in forwards)
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert rel(torch.stack(out[0].scores), torch.stack(out[1].scores)) < 1e-5
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="tests/test_gpu_model.py decodes on the GPU")
+@pytest.mark.parametrize("latent", [16, None])
+def test_few_token_forwards_normalise_and_add_the_residual_inside_the_kernels(latent, monkeypatch):
+    """A forward of a few tokens without autograd never calls the RMSNorms in front of the sublayers: the attention
+    and MLP projections, the router's logits and, without a latent projection, the MoE decode kernels apply them to
+    the rows they read (the LatentMoE's own projection takes the norm's output, so there the block calls it); the
+    logits equal the torch backend's within fp32 rounding."""
+    called = []
+    forward = KdaMoeRMSNorm.forward
+    monkeypatch.setattr(KdaMoeRMSNorm, "forward", lambda self, x: called.append(self) or forward(self, x))
+    models = [tiny_model(seed=0, kernel_backend=backend, routed_expert_hidden_size=latent, **TRITON_HEADS)
+              for backend in ("triton", "torch")]
+    input_ids = torch.randint(1, models[0].config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in models:
+        called.clear()
+        with torch.no_grad():
+            logits.append(model(input_ids).logits)
+        layers = model.model.layers
+        sublayer_norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        calls = [sum(norm is c for c in called) for norm in sublayer_norms]
+        if model.config.kernel_backend == "torch":
+            assert calls == [1] * len(sublayer_norms)
+        else:  # each layer's input norm, then its MLP's: only a LatentMoE's is called
+            folded_mlp = [latent is None or not isinstance(layer.mlp, KdaMoeSparseMoeBlock) for layer in layers]
+            assert calls == [count for folded in folded_mlp for count in (0, 0 if folded else 1)]
+    assert rel(logits[0], logits[1]) < 1e-5
 
 
 def test_hooked_or_adapted_projections_are_called_as_modules(monkeypatch):

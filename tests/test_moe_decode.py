@@ -24,7 +24,7 @@ from kda_testing import rel  # noqa: E402
 from kda_moe.kernels import moe  # noqa: E402
 from kda_moe.kernels.backend import tl, triton  # noqa: E402
 from kda_moe.kernels.moe import decode, moe_decode, routed_experts  # noqa: E402
-from kda_moe.modeling.modeling_kda_moe import KdaMoeExperts  # noqa: E402
+from kda_moe.modeling.modeling_kda_moe import KdaMoeExperts, KdaMoeRMSNorm  # noqa: E402
 
 dev = "cpu" if INTERPRETED else "cuda"
 GREEDY = dict(max_new_tokens=4, do_sample=False)
@@ -61,10 +61,17 @@ def routing(N, k, E, repeats=True, seed=0):
     return index.to(dev), torch.rand(N, k, generator=gen).to(dev)
 
 
-def decode_through_kernel(experts, hidden_states, index, weights):
+def shared_expert(L, intermediate, dtype=torch.float32, seed=2):
+    """A shared expert's (gate [Is, l], up [Is, l], down [l, Is]) weights, scaled as the routed experts'."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(*shape, generator=gen) * shape[1] ** -0.5).to(dev, dtype)
+                 for shape in ((intermediate, L), (intermediate, L), (L, intermediate)))
+
+
+def decode_through_kernel(experts, hidden_states, index, weights, backend="triton", **options):
     act = experts.act_fn
     return moe_decode(hidden_states, index, weights, experts.gate_up_proj, experts.down_proj, activation=act.kind,
-                      gate_cap=act.gate_cap, up_cap=act.up_cap, backend="triton")
+                      gate_cap=act.gate_cap, up_cap=act.up_cap, backend=backend, **options)
 
 
 CASES = {
@@ -114,20 +121,66 @@ def test_a_shared_expert_joins_every_tokens_sum(shared_intermediate):
     N, k, E, L, I = CASES["shared-experts"]
     experts = experts_module(E, k, L, I)
     index, weights = routing(N, k, E)
-    gen = torch.Generator().manual_seed(2)
-    shared = tuple((torch.randn(*shape, generator=gen) * shape[1] ** -0.5).to(dev)
-                   for shape in ((shared_intermediate, L), (shared_intermediate, L), (L, shared_intermediate)))
+    shared = shared_expert(L, shared_intermediate)
     x = torch.randn(N, L, generator=torch.Generator().manual_seed(1)).to(dev)
     act = experts.act_fn
     with torch.no_grad():
-        out = moe_decode(x, index, weights, experts.gate_up_proj, experts.down_proj, activation=act.kind,
-                         gate_cap=act.gate_cap, up_cap=act.up_cap, shared=shared, backend="triton")
+        out = decode_through_kernel(experts, x, index, weights, shared=shared)
         shared_out = act(x @ shared[0].T, x @ shared[1].T) @ shared[2].T
         expected = experts(x, index, weights) + shared_out
     assert rel(out, expected) < 1e-5
     with pytest.raises(ValueError, match=r"down \[l, Is\]\) weights with l = 40"):
-        moe_decode(x, index, weights, experts.gate_up_proj, experts.down_proj, activation=act.kind,
-                   gate_cap=act.gate_cap, up_cap=act.up_cap, shared=(*shared[:2], shared[2][:, 1:]), backend="triton")
+        decode_through_kernel(experts, x, index, weights, shared=(*shared[:2], shared[2][:, 1:]))
+
+
+@pytest.mark.parametrize("case", ["one-token", "shared-experts"])
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_norm_and_residual_inside_the_kernels_equal_the_eager_layer(case, with_shared, dtype, monkeypatch):
+    """A pre-norm MoE layer on the residual stream: the up kernel normalises the rows it reads, the sum adds the
+    residual as it stores, the same as ``KdaMoeRMSNorm``, the experts on its rows and ``residual + ...``; the torch
+    backend composes the same three. The add alone rounds where the eager add rounds (the sum, then sum + residual):
+    equal bits. fp32: 1e-5, as above. bf16: the kernel's normalised rows are the eager norm's up to the order of its
+    sum of squares, which may move an element's rounding by one ulp and what depends on it by a fraction of that, and
+    the reference differs from the kernel by summation order only
+    (``test_bf16_matches_the_fp32_reference_with_the_same_roundings``): 2^-8."""
+    if INTERPRETED:
+        emulate_bf16(monkeypatch)
+    N, k, E, L, I = CASES[case]
+    experts = experts_module(E, k, L, I, dtype=dtype)
+    index, weights = routing(N, k, E)
+    gen = torch.Generator().manual_seed(1)
+    x = (4 * torch.randn(N, L, generator=gen)).to(dev, dtype)  # a residual stream's rows: far from unit RMS
+    residual = torch.randn(N, L, generator=gen).to(dev, dtype)  # not x: a kernel that read x instead would show
+    norm = KdaMoeRMSNorm(L, eps=1e-5).to(dev, dtype)
+    norm.weight.data = (torch.rand(L, generator=gen) + 0.5).to(dev, dtype)
+    options = dict(shared=shared_expert(L, 24, dtype) if with_shared else None)
+    input_norm = (norm.weight, 1e-5)
+    with torch.no_grad():
+        normed = norm(x)
+        unfused = decode_through_kernel(experts, normed, index, weights, **options)
+        eager = residual + unfused
+        normed_inside = decode_through_kernel(experts, x, index, weights, input_norm=input_norm, **options)
+        added_inside = decode_through_kernel(experts, normed, index, weights, residual=residual, **options)
+        both = {backend: decode_through_kernel(experts, x, index, weights, backend, input_norm=input_norm,
+                                               residual=residual, **options) for backend in ("triton", "torch")}
+    bound = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert normed_inside.dtype == dtype and rel(normed_inside, unfused) < bound
+    assert torch.equal(added_inside, eager)
+    for out in both.values():
+        assert out.dtype == dtype and out.shape == (N, L) and rel(out, eager) < bound
+
+
+def test_norm_and_residual_are_checked_on_both_backends():
+    experts = experts_module(4, 2, 16, 16)
+    x = torch.randn(3, 16, device=dev)
+    index, weights = routing(3, 2, 4)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"input_norm's weight must be \[d\] = \[16\]"):
+            decode_through_kernel(experts, x, index, weights, backend, input_norm=(torch.ones(8, device=dev), 1e-6))
+        for residual in (torch.zeros(3, 8, device=dev), torch.zeros(3, 16, device=dev, dtype=torch.float64)):
+            with pytest.raises(ValueError, match=r"the residual must be the hidden states' shape and dtype, \(3, 16\)"):
+                decode_through_kernel(experts, x, index, weights, backend, residual=residual)
 
 
 def test_a_token_that_names_an_expert_twice_gets_both_weighted_rows():
@@ -224,9 +277,11 @@ def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
     experts = experts_module(4, 2, 16, 16)
     x = torch.randn(3, 16, device=dev)
     index, weights = routing(3, 2, 4)
-    args = (x, index, weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), [], "situ", 4.0, 25.0)
+    args = (x, index, weights, experts.gate_up_proj.detach(), experts.down_proj.detach(), [], "situ", 4.0, 25.0, None,
+            0.0, None)
     shared = [torch.randn(8, 16, device=dev), torch.randn(8, 16, device=dev), torch.randn(16, 8, device=dev)]
-    for checked in (args, (*args[:5], shared, *args[6:])):
+    norm_and_residual = (torch.rand(16, device=dev), 1e-6, torch.randn(3, 16, device=dev))
+    for checked in (args, (*args[:5], shared, *args[6:]), (*args[:9], *norm_and_residual)):
         torch.library.opcheck(decode.moe_decode_op, checked, test_utils=("test_schema", "test_faketensor"))
     dispatched = decode.moe_decode_op(*args)
 

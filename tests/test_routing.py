@@ -16,9 +16,11 @@ if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("needs CUDA or the Triton interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
+from bf16_emulation import emulate_bf16  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 
 from kda_moe.kernels.moe import MAX_DECODE_TOKENS, router_logits, routing, sigmoid_top_k, top_k_routing  # noqa: E402
+from kda_moe.modeling.modeling_kda_moe import KdaMoeRMSNorm  # noqa: E402
 
 dev = "cpu" if INTERPRETED else "cuda"
 
@@ -41,6 +43,43 @@ def test_logits_kernel_is_the_fp32_product_of_the_states_and_the_weight(N, E, D,
     expected = hidden.double() @ weight.double().T
     assert logits.dtype == torch.float32 and logits.shape == (N, E)
     assert torch.allclose(logits.double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@pytest.mark.parametrize("N", [1, 5, MAX_DECODE_TOKENS], ids=["one", "several", "most"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_input_norm_inside_the_logits_kernel_equals_the_eager_norm_then_the_logits(N, dtype, monkeypatch):
+    """The router reads the residual stream and normalises it itself: on both backends, the logits of
+    ``KdaMoeRMSNorm``'s rows. fp32: 1e-5 of their scale, as above (the summation order). bf16: the kernel's normalised
+    rows are the eager norm's up to the order of its sum of squares, which may move an element's rounding by one
+    ulp (at most 2^-7 of it; 2^-6 with the rounding of its product with the norm's weight after it): on top of the
+    fp32 bound, 2^-6 of the sum of the magnitudes of a logit's products."""
+    if INTERPRETED:
+        emulate_bf16(monkeypatch)
+    gen = torch.Generator().manual_seed(N)
+    D, E = 200, 40
+    hidden = (4 * torch.randn(N, D, generator=gen)).to(dev, dtype)  # a residual stream's rows: far from unit RMS
+    weight = torch.randn(E, D, generator=gen).to(dev)
+    norm = KdaMoeRMSNorm(D, eps=1e-5).to(dev, dtype)
+    norm.weight.data = (torch.rand(D, generator=gen) + 0.5).to(dev, dtype)
+    with torch.no_grad():
+        normed = norm(hidden)
+        expected = router_logits(normed, weight, backend="triton")
+        logits = [router_logits(hidden, weight, input_norm=(norm.weight, 1e-5), backend=backend)
+                  for backend in ("triton", "torch")]
+    magnitudes = normed.float().abs() @ weight.abs().T
+    bound = 1e-5 * magnitudes.max() + (0 if dtype == torch.float32 else 2 ** -6 * magnitudes)
+    for out in logits:
+        assert out.dtype == torch.float32 and out.shape == (N, E)
+        assert ((out - expected).abs() <= bound).all()
+
+
+def test_the_input_norm_is_checked_on_both_backends():
+    hidden, weight = torch.randn(3, 32, device=dev), torch.randn(8, 32, device=dev)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"input_norm's weight must be \[d\] = \[32\]"):
+            router_logits(hidden, weight, input_norm=(torch.ones(16, device=dev), 1e-6), backend=backend)
+    with pytest.raises(ValueError, match=r"an input norm's weight \[d\]; .* norm weight \(16,\)"):
+        routing.router_logits_triton(hidden, weight, input_norm=(torch.ones(16, device=dev), 1e-6))
 
 
 def test_logits_kernel_refuses_many_tokens_and_gradients_and_auto_takes_the_reference():
@@ -111,6 +150,22 @@ def test_gradients_and_expert_groups_take_the_reference():
     with torch.no_grad():
         _, indices = top_k_routing(logits, bias, 2, n_group=4, topk_group=1, backend="auto")
     assert (indices // 2 == indices[:, :1] // 2).all()  # both experts of one group of two
+
+
+def test_logits_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):
+    """The custom op's fake gives the logits' shape, with and without the norm; without autograd the wrapper calls
+    the launch code directly, with the op's result."""
+    hidden, weight, norm_weight = (torch.randn(*shape, device=dev) for shape in ((3, 32), (8, 32), (32,)))
+    for args in ((hidden, weight, None, 0.0), (hidden, weight, norm_weight, 1e-6)):
+        torch.library.opcheck(routing.router_logits_op, args, test_utils=("test_schema", "test_faketensor"))
+    dispatched = routing.router_logits_op(hidden, weight, norm_weight, 1e-6)
+
+    def fail(*args):
+        raise AssertionError("the router-logits op went through the dispatcher without autograd")
+
+    monkeypatch.setattr(routing, "router_logits_op", fail)
+    with torch.no_grad():
+        assert torch.equal(router_logits(hidden, weight, input_norm=(norm_weight, 1e-6), backend="triton"), dispatched)
 
 
 def test_op_has_a_fake_and_skips_the_dispatcher_without_autograd(monkeypatch):

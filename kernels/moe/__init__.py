@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
+from ..norm.reference import rms_norm
 from .limits import KERNEL_DTYPES, MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
 from .reference import (ACTIVATIONS, Mxfp4Weight, dequantize_mxfp4, expert_loads, gated_activation,
                         MXFP4_GROUP, mxfp4_grouped_mm_reference, mxfp4_row_bytes, routed_experts, sigmoid_top_k)
@@ -53,6 +54,23 @@ def _check_shared_expert(hidden_states, shared):
         )
 
 
+def _check_norm_and_residual(hidden_states, input_norm, residual):
+    """Raise, naming the fix, unless the norm's weight is ``[d]`` and the residual ``[N, d]`` in the hidden states'
+    dtype (hidden_states ``[N, d]``)."""
+    if input_norm is not None and input_norm[0].shape != hidden_states.shape[-1:]:
+        raise ValueError(
+            f"input_norm's weight must be [d] = [{hidden_states.shape[-1]}] for hidden states "
+            f"{tuple(hidden_states.shape)}, got {tuple(input_norm[0].shape)}: pass the weight of the RMSNorm over "
+            "their last dimension."
+        )
+    if residual is not None and (residual.shape != hidden_states.shape or residual.dtype != hidden_states.dtype):
+        raise ValueError(
+            f"the residual must be the hidden states' shape and dtype, {tuple(hidden_states.shape)} in "
+            f"{hidden_states.dtype}, got {tuple(residual.shape)} in {residual.dtype}: pass the residual stream the "
+            "layer's output is added to (its RMSNorm gave the hidden states)."
+        )
+
+
 def moe_decode(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -64,6 +82,8 @@ def moe_decode(
     gate_cap: float,
     up_cap: float | None,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    input_norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """The routed experts of a few tokens: ``sum_j w_j down_j(act(gate_up_j(x)))`` per token, plus with ``shared``
@@ -72,22 +92,30 @@ def moe_decode(
 
     hidden_states ``[N, l]``; top_k_index (ids in ``[0, E)``) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]``
     (gate rows, then up rows) and down_proj ``[E, l, I]`` as the experts module stores them; ``activation`` "silu" or
-    "situ" with ``gate_cap`` / ``up_cap`` as in ``gated_activation``. Returns ``[N, l]`` in hidden_states' dtype.
+    "situ" with ``gate_cap`` / ``up_cap`` as in ``gated_activation``. A pre-norm MoE layer's norm and residual add:
+    with ``input_norm`` (weight ``[l]``, eps) x is ``norm.reference.rms_norm`` of the hidden states, with
+    ``residual`` (``[N, l]`` in their dtype) the result is ``residual + ...``. Returns ``[N, l]`` in hidden_states'
+    dtype.
     The Triton kernel reads each chosen expert's weights once, in place (no gathered copy), with fp32 products and
-    sums; it takes up to ``MAX_DECODE_TOKENS`` tokens with contiguous weights of their dtype, and no autograd.
-    ``"auto"`` runs anything else on the reference, which gathers the chosen experts' weights per token."""
+    sums, the norm in its up kernel and the residual add in its sum; it takes up to ``MAX_DECODE_TOKENS`` tokens
+    with contiguous weights of their dtype, and no autograd. ``"auto"`` runs anything else on the reference (the
+    norm, the experts, which gather the chosen experts' weights per token, and the add)."""
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     _check_shared_expert(hidden_states, shared)
-    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, *(shared or ()))
+    _check_norm_and_residual(hidden_states, input_norm, residual)
+    extra = [t for t in (*(shared or ()), input_norm and input_norm[0], residual) if t is not None]
+    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, *extra)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     supported = fits_decode_kernel(hidden_states, gate_up_proj, down_proj, *(shared or ())) and not needs_grad
-    options = dict(gate_cap=gate_cap, up_cap=up_cap)
-    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *(shared or ()),
+    options = dict(gate_cap=gate_cap, up_cap=up_cap, shared=shared)
+    if resolve_backend(backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *extra,
                        supported=supported) == "triton":
         return moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, kind=activation,
-                                 shared=shared, **options)
-    return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation,
-                          shared=shared, **options)
+                                 input_norm=input_norm, residual=residual, **options)
+    if input_norm is not None:
+        hidden_states = rms_norm(hidden_states, *input_norm)
+    out = routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
+    return out if residual is None else residual + out
 
 
 def grouped_experts(
@@ -121,15 +149,23 @@ def grouped_experts(
     return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, **options)
 
 
-def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """A router's fp32 logits ``[N, E]``: hidden_states ``[N, d]`` times weight ``[E, d]``, both taken in fp32. One
-    Triton kernel for at most ``MAX_DECODE_TOKENS`` tokens (a decoding step) without autograd; ``"auto"`` gives more
-    tokens, or a call that needs gradients, ``F.linear`` on the widened tensors."""
-    needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, *,
+                  input_norm: tuple[torch.Tensor, float] | None = None, backend: str = "auto") -> torch.Tensor:
+    """A router's fp32 logits ``[N, E]``: hidden_states ``[N, d]`` times weight ``[E, d]``, both taken in fp32; with
+    ``input_norm`` (weight ``[d]``, eps) the states go through that RMSNorm first (``norm.reference.rms_norm``, in
+    their dtype). One Triton kernel, the norm inside, for at most ``MAX_DECODE_TOKENS`` tokens (a decoding step)
+    without autograd; ``"auto"`` gives more tokens, or a call that needs gradients, the norm and ``F.linear`` on the
+    widened tensors."""
+    _check_norm_and_residual(hidden_states, input_norm, None)
+    norm_weight = input_norm and input_norm[0]
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (hidden_states, weight, norm_weight))
     supported = (hidden_states.dim() == 2 and hidden_states.shape[0] <= MAX_DECODE_TOKENS
                  and hidden_states.dtype in KERNEL_DTYPES and not needs_grad)
-    if resolve_backend(backend, hidden_states, weight, supported=supported) == "triton":
-        return router_logits_triton(hidden_states, weight)
+    if resolve_backend(backend, hidden_states, weight, norm_weight, supported=supported) == "triton":
+        return router_logits_triton(hidden_states, weight, input_norm=input_norm)
+    if input_norm is not None:
+        hidden_states = rms_norm(hidden_states, *input_norm)
     return F.linear(hidden_states.float(), weight.float())
 
 

@@ -17,6 +17,11 @@ A shared expert (a dense MLP every token takes, its gate, up and down weights gi
 grids, after the choice slots: its programs run it for all the tokens at once, and its row joins each token's sum
 last, with weight 1.
 
+The MoE layer's RMSNorm and residual add can run inside (``kernels/rows.py``): with ``input_norm`` every up program
+normalises the token rows it reads, with ``residual`` the sum adds the residual stream's rows to the rounded sum as it
+stores it, rounded as ``KdaMoeRMSNorm`` and the eager add round; the layer then reads and writes the residual stream
+with no norm or add kernel around it.
+
 No host reads, no data-dependent shapes (the grids depend on N, k, I and l only), so torch.compile traces the custom
 op and a CUDA graph replays it. Bytes read per call: the distinct chosen experts' ``3 * I * l`` weights, once each,
 plus the tokens' rows. Products accumulate in fp32 (fp32 inputs multiply in full fp32, not tf32); the activation is
@@ -33,7 +38,8 @@ import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from ..dependent_launch import dependent_launch, wait_for_inputs
-from ..linear.decode import accumulate_products, load_slab
+from ..linear.decode import accumulate_products
+from ..rows import add_residual, load_input_slab, load_slab, rms_scales
 from .activation import gated_activation
 from .limits import MAX_DECODE_TOKENS, fits_decode_kernel
 
@@ -85,17 +91,20 @@ def _expert_of_slot(top_k_index, slot, N, E, K: tl.constexpr, KP: tl.constexpr, 
 
 
 @triton.jit
-def _gated_block(x, rows, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, L: tl.constexpr,
-                 ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr, UP_CAP: tl.constexpr):
-    """[ROWS, BI] fp32: the gated activation of the token rows marked by ``rows`` ([ROWS]; the others 0) for the
-    weight rows at pointers w_gate / w_up ([BI], masked by m_i), each row of length L read once; their first slabs
-    ``first_gate`` / ``first_up`` ([BI, BK], ``load_slab``) already loaded."""
+def _gated_block(x, rows, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, norm_weight, eps,
+                 L: tl.constexpr, ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr,
+                 UP_CAP: tl.constexpr, NORM: tl.constexpr):
+    """[ROWS, BI] fp32: the gated activation of the token rows marked by ``rows`` ([ROWS]; the others 0; with
+    ``NORM`` through the RMSNorm of ``norm_weight``) for the weight rows at pointers w_gate / w_up ([BI], masked by
+    m_i), each row of length L read once; their first slabs ``first_gate`` / ``first_up`` ([BI, BK], ``load_slab``)
+    already loaded."""
     x_rows = x + tl.arange(0, ROWS) * L
-    bx = load_slab(x_rows, rows, 0, L, BK)
+    scales = rms_scales(x_rows, rows, L, eps, BK, NORM)
+    bx = load_input_slab(x_rows, rows, 0, L, BK, scales, norm_weight, NORM)
     acc_gate = accumulate_products(tl.zeros((ROWS, BI), dtype=tl.float32), bx, first_gate)
     acc_up = accumulate_products(tl.zeros((ROWS, BI), dtype=tl.float32), bx, first_up)
     for k0 in range(BK, L, BK):
-        bx = load_slab(x_rows, rows, k0, L, BK)
+        bx = load_input_slab(x_rows, rows, k0, L, BK, scales, norm_weight, NORM)
         acc_gate = accumulate_products(acc_gate, bx, load_slab(w_gate, m_i, k0, L, BK))
         acc_up = accumulate_products(acc_up, bx, load_slab(w_up, m_i, k0, L, BK))
     return gated_activation(acc_gate, acc_up, gate_cap, up_cap, SITU, UP_CAP)
@@ -115,9 +124,9 @@ def _down_block(act_rows, rows, w_down, m_o, first, I: tl.constexpr, ROWS: tl.co
 
 @triton.jit
 def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_act, N, E, gate_cap, up_cap,
-                   K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
-                   ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr,
-                   UP_CAP: tl.constexpr, DEPENDENT: tl.constexpr):
+                   norm_weight, eps, K: tl.constexpr, KP: tl.constexpr, L: tl.constexpr, I: tl.constexpr,
+                   IS: tl.constexpr, ROWS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr,
+                   UP_CAP: tl.constexpr, NORM: tl.constexpr, DEPENDENT: tl.constexpr):
     slot = tl.program_id(0)
     o_t = tl.arange(0, ROWS)
     o_i = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -127,8 +136,8 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
         first_gate, first_up = load_slab(w_gate, m_i, 0, L, BK), load_slab(w_up, m_i, 0, L, BK)  # before the wait
         wait_for_inputs(DEPENDENT)
         if tl.program_id(1) * BI < IS:
-            h = _gated_block(x, o_t < N, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, L, ROWS, BI, BK,
-                             SITU, UP_CAP)
+            h = _gated_block(x, o_t < N, w_gate, w_up, m_i, first_gate, first_up, gate_cap, up_cap, norm_weight,
+                             eps, L, ROWS, BI, BK, SITU, UP_CAP, NORM)
             tl.store(shared_act + o_t[:, None] * IS + o_i[None, :], h.to(shared_act.dtype.element_ty),
                      mask=(o_t < N)[:, None] & m_i[None, :])
     else:
@@ -138,8 +147,8 @@ def _moe_up_kernel(x, top_k_index, gate_up, act, shared_gate, shared_up, shared_
         if owner & (tl.program_id(1) * BI < I):
             w_gate = gate_up + e.to(tl.int64) * (2 * I * L) + o_i * L  # [BI] pointers; the up rows: + I * L
             h = _gated_block(x, chose, w_gate, w_gate + I * L, m_i, load_slab(w_gate, m_i, 0, L, BK),
-                             load_slab(w_gate + I * L, m_i, 0, L, BK), gate_cap, up_cap, L, ROWS, BI, BK, SITU,
-                             UP_CAP)
+                             load_slab(w_gate + I * L, m_i, 0, L, BK), gate_cap, up_cap, norm_weight, eps, L, ROWS,
+                             BI, BK, SITU, UP_CAP, NORM)
             rows = (o_t * K + choice)[:, None] * I  # each token's row of act: the first of its choices that is e
             tl.store(act + rows + o_i[None, :], h.to(act.dtype.element_ty), mask=chose[:, None] & m_i[None, :])
 
@@ -178,7 +187,8 @@ def _moe_down_kernel(act, top_k_index, top_k_weights, down, shared_act, shared_d
 
 
 @triton.jit
-def _moe_sum_kernel(out, y, KS: tl.constexpr, L: tl.constexpr, BO: tl.constexpr, DEPENDENT: tl.constexpr):
+def _moe_sum_kernel(out, y, residual, KS: tl.constexpr, L: tl.constexpr, BO: tl.constexpr, RESIDUAL: tl.constexpr,
+                    DEPENDENT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     o_o = tl.program_id(1) * BO + tl.arange(0, BO)
     m_o = o_o < L
@@ -186,13 +196,15 @@ def _moe_sum_kernel(out, y, KS: tl.constexpr, L: tl.constexpr, BO: tl.constexpr,
     acc = tl.zeros((BO,), dtype=tl.float32)
     for j in tl.static_range(KS):
         acc += tl.load(out + (token * KS + j) * L + o_o, mask=m_o, other=0.0)
+    acc = add_residual(acc, residual + token * L + o_o, m_o, RESIDUAL)
     tl.store(y + token * L + o_o, acc.to(y.dtype.element_ty), mask=m_o)
 
 
 def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind, gate_cap,
-                      up_cap, launch: MoeDecodeLaunch):
+                      up_cap, launch: MoeDecodeLaunch, norm_weight=None, eps=0.0, residual=None):
     """The three kernels on contiguous inputs (shapes as in ``moe_decode_triton``; ``shared`` None or the shared
-    expert's (gate, up, down) weights); returns ``[N, l]`` in hidden_states' dtype."""
+    expert's (gate, up, down) weights); returns ``[N, l]`` in hidden_states' dtype. ``norm_weight`` ``[l]``: the
+    rows go through that RMSNorm (of epsilon ``eps``) first; ``residual`` ``[N, l]``: added to the sum."""
     N, K = top_k_index.shape
     E, L, I = down_proj.shape
     IS = 0 if shared is None else shared[2].shape[1]
@@ -206,41 +218,48 @@ def launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, d
     dependent = dependent_launch(hidden_states.device)
     _moe_up_kernel[(slots, triton.cdiv(max(I, IS), launch.block_inter))](
         hidden_states, top_k_index, gate_up_proj, act, shared_gate, shared_up, shared_act, N, E, float(gate_cap),
-        0.0 if up_cap is None else float(up_cap), BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ",
-        UP_CAP=up_cap is not None, num_warps=launch.warps, num_stages=launch.stages, **shape, **dependent)
+        0.0 if up_cap is None else float(up_cap), hidden_states if norm_weight is None else norm_weight, float(eps),
+        BI=launch.block_inter, BK=launch.block_k, SITU=kind == "situ", UP_CAP=up_cap is not None,
+        NORM=norm_weight is not None, num_warps=launch.warps, num_stages=launch.stages, **shape, **dependent)
     _moe_down_kernel[(slots, triton.cdiv(L, launch.block_out))](
         act, top_k_index, top_k_weights, down_proj, shared_act, shared_down, out, N, E, KS=KS,
         BO=launch.block_out, BK=launch.block_k, num_warps=launch.warps, num_stages=launch.stages, **shape, **dependent)
     y = torch.empty_like(hidden_states)
-    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, KS=KS, L=L, BO=SUM_BLOCK, num_warps=4, **dependent)
+    _moe_sum_kernel[(N, triton.cdiv(L, SUM_BLOCK))](out, y, hidden_states if residual is None else residual, KS=KS,
+                                                    L=L, BO=SUM_BLOCK, RESIDUAL=residual is not None, num_warps=4,
+                                                    **dependent)
     return y
 
 
 def _decode(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared: list[torch.Tensor], kind: str,
-            gate_cap: float, up_cap: Optional[float]) -> torch.Tensor:
+            gate_cap: float, up_cap: Optional[float], norm_weight: Optional[torch.Tensor], eps: float,
+            residual: Optional[torch.Tensor]) -> torch.Tensor:
     """``shared``: the shared expert's (gate, up, down) weights, or empty."""
     shared = shared or None
     intermediate = down_proj.shape[2] if shared is None else max(down_proj.shape[2], shared[2].shape[1])
     return launch_moe_decode(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind,
-                             gate_cap, up_cap, moe_decode_launch(*hidden_states.shape, intermediate))
+                             gate_cap, up_cap, moe_decode_launch(*hidden_states.shape, intermediate), norm_weight, eps,
+                             residual)
 
 
 moe_decode_op = torch.library.custom_op("kda_moe::moe_decode", _decode, mutates_args=())
 
 
 @moe_decode_op.register_fake
-def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind, gate_cap, up_cap):
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, shared, kind, gate_cap, up_cap, norm_weight,
+      eps, residual):
     return hidden_states.new_empty(hidden_states.shape)
 
 
 def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, kind, gate_cap, up_cap,
-                      shared=None):
+                      shared=None, input_norm=None, residual=None):
     """The routed experts of at most ``MAX_DECODE_TOKENS`` tokens in three launches. hidden_states ``[N, l]``;
     top_k_index (expert ids) / top_k_weights ``[N, k]``; gate_up_proj ``[E, 2I, l]`` and down_proj ``[E, l, I]``
     (contiguous, hidden_states' dtype, read in place); the activation ``kind`` ("silu" | "situ") with its caps;
     ``shared`` None or a shared expert's (gate ``[Is, l]``, up ``[Is, l]``, down ``[l, Is]``) weights, whose output
-    joins every token's sum. Returns ``[N, l]`` in hidden_states' dtype. Decoding only: no backward."""
+    joins every token's sum; ``input_norm`` (weight ``[l]``, eps) and ``residual`` ``[N, l]`` as ``moe_decode``
+    checks them. Returns ``[N, l]`` in hidden_states' dtype. Decoding only: no backward."""
     if not fits_decode_kernel(hidden_states, gate_up_proj, down_proj, *(shared or ())):
         raise ValueError(
             f"the Triton MoE decode kernel takes at most {MAX_DECODE_TOKENS} tokens in bf16, fp16 or fp32 and reads "
@@ -250,9 +269,13 @@ def moe_decode_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, d
             f"{[(w.dtype, w.is_contiguous()) for w in shared or ()]}. Run the experts module (its "
             "experts_implementation) for more tokens, or pass matching contiguous weights."
         )
-    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj, *(shared or ()))
+    norm_weight, eps = input_norm or (None, 0.0)
+    inputs = [t for t in (hidden_states, top_k_weights, gate_up_proj, down_proj, *(shared or ()), norm_weight,
+                          residual) if t is not None]
     refuse_autograd("the Triton MoE decode kernel", inputs, "the experts module")
     hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
+    norm_weight, residual = (None if t is None else t.contiguous() for t in (norm_weight, residual))
     up_cap = None if up_cap is None else float(up_cap)
     return op_for_call(moe_decode_op, _decode)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                               list(shared or ()), kind, float(gate_cap), up_cap)
+                                               list(shared or ()), kind, float(gate_cap), up_cap, norm_weight,
+                                               float(eps), residual)

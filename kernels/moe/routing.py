@@ -5,7 +5,9 @@ first, with their mixing weights (``reference.sigmoid_top_k`` without expert gro
 
 The logits kernel runs a program per expert, which reads the expert's router row once and multiplies it with all the
 tokens' states (the rows of its tiles; they come from L2 after the first program), fp32 products summed in fp32: at a
-decoding step it replaces the widening copy and cuBLAS's two-kernel fp32 GEMV.
+decoding step it replaces the widening copy and cuBLAS's two-kernel fp32 GEMV. Given the RMSNorm before the MoE
+layer (``input_norm``), every program normalises the states as it reads them (``kernels/rows.py``), so the router
+reads the residual stream itself and no norm kernel runs before it.
 
 The top-k kernel: one program per token holds its E scores in registers and picks the k best by k rounds of
 max-and-remove (the lowest id among equal scores), then gathers, renormalises and scales the unbiased scores of the
@@ -19,6 +21,7 @@ import torch
 
 from ..backend import op_for_call, refuse_autograd, tl, triton
 from ..dependent_launch import dependent_launch, wait_for_inputs
+from ..rows import load_input_slab, rms_scales
 from .limits import MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS
 
 # One warp a token for the top-k: its 3k reductions over the E scores form a serial chain, which within a warp are
@@ -34,36 +37,41 @@ def _weight_slice(w, d0, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _row_products(x, o_t, m_t, bw, d0, D: tl.constexpr, BD: tl.constexpr):
-    """[ROWS] fp32: columns ``d0 + [0, BD)`` of the token rows o_t (masked by m_t) of x ``[N, D]`` times bw ``[BD]``,
-    summed."""
-    o_d = d0 + tl.arange(0, BD)
-    bx = tl.load(x + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & (o_d < D)[None, :], other=0.0)
+def _row_products(x_rows, m_t, bw, d0, D: tl.constexpr, BD: tl.constexpr, scales, norm_weight, NORM: tl.constexpr):
+    """[ROWS] fp32: columns ``d0 + [0, BD)`` of the token rows of length D at pointers x_rows (masked by m_t; with
+    ``NORM`` through the RMSNorm, ``load_input_slab``) times bw ``[BD]``, summed."""
+    bx = load_input_slab(x_rows, m_t, d0, D, BD, scales, norm_weight, NORM)
     return tl.sum(bx.to(tl.float32) * bw.to(tl.float32)[None, :], 1)
 
 
 @triton.jit
-def _router_logits_kernel(x, w, logits, N, E, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
-                          DEPENDENT: tl.constexpr):
+def _router_logits_kernel(x, w, logits, norm_weight, eps, N, E, D: tl.constexpr, ROWS: tl.constexpr,
+                          BD: tl.constexpr, NORM: tl.constexpr, DEPENDENT: tl.constexpr):
     expert = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, ROWS)
     m_t = o_t < N
+    x_rows = x + o_t * D
     w += expert * D
     first = _weight_slice(w, 0, D, BD)  # a weight: read before the wait for x
     wait_for_inputs(DEPENDENT)
-    acc = _row_products(x, o_t, m_t, first, 0, D, BD)
+    scales = rms_scales(x_rows, m_t, D, eps, BD, NORM)
+    acc = _row_products(x_rows, m_t, first, 0, D, BD, scales, norm_weight, NORM)
     for d0 in range(BD, D, BD):
-        acc += _row_products(x, o_t, m_t, _weight_slice(w, d0, D, BD), d0, D, BD)
+        acc += _row_products(x_rows, m_t, _weight_slice(w, d0, D, BD), d0, D, BD, scales, norm_weight, NORM)
     tl.store(logits + o_t * E + expert, acc, mask=m_t)
 
 
-def _router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
+    """``norm_weight`` ``[d]``: the states go through that RMSNorm (of epsilon ``eps``) first."""
     (N, D), E = hidden_states.shape, weight.shape[0]
     logits = torch.empty(N, E, device=hidden_states.device, dtype=torch.float32)
     if N:
         rows = triton.next_power_of_2(N)
         block_d = min(1024, triton.next_power_of_2(D), max(64, 4096 // rows))  # [rows, BD] fp32: 32 a thread
-        _router_logits_kernel[(E,)](hidden_states, weight, logits, N, E, D=D, ROWS=rows, BD=block_d, num_warps=4,
+        _router_logits_kernel[(E,)](hidden_states, weight, logits,
+                                    hidden_states if norm_weight is None else norm_weight, float(eps), N, E, D=D,
+                                    ROWS=rows, BD=block_d, NORM=norm_weight is not None, num_warps=4,
                                     **dependent_launch(hidden_states.device))
     return logits
 
@@ -72,24 +80,31 @@ router_logits_op = torch.library.custom_op("kda_moe::router_logits", _router_log
 
 
 @router_logits_op.register_fake
-def _(hidden_states, weight):
+def _(hidden_states, weight, norm_weight=None, eps=0.0):
     return hidden_states.new_empty(hidden_states.shape[0], weight.shape[0], dtype=torch.float32)
 
 
-def router_logits_triton(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits_triton(hidden_states: torch.Tensor, weight: torch.Tensor, *,
+                         input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """fp32 logits [N, E] of at most ``MAX_DECODE_TOKENS`` tokens' hidden states [N, d] (bf16, fp16 or fp32) under a
-    router weight [E, d] (any float dtype; both read in place when contiguous), in full fp32. Inference only."""
+    router weight [E, d] (any float dtype; both read in place when contiguous), in full fp32; with ``input_norm``
+    (weight [d], eps) of the states' RMSNorm (``norm.reference.rms_norm``) first. Inference only."""
+    norm_weight, eps = input_norm or (None, 0.0)
     if hidden_states.dim() != 2 or weight.dim() != 2 or hidden_states.shape[1] != weight.shape[1] or (
         hidden_states.shape[0] > MAX_DECODE_TOKENS
-    ):
+    ) or (norm_weight is not None and norm_weight.shape != hidden_states.shape[1:]):
         raise ValueError(
-            f"the Triton router-logits kernel takes hidden states [N, d] with N <= {MAX_DECODE_TOKENS} and a weight "
-            f"[E, d]; got {tuple(hidden_states.shape)} and {tuple(weight.shape)}. Compute more tokens' logits with "
-            "F.linear(hidden_states.float(), weight.float()) (backend=\"torch\")."
+            f"the Triton router-logits kernel takes hidden states [N, d] with N <= {MAX_DECODE_TOKENS}, a weight "
+            f"[E, d] and an input norm's weight [d]; got hidden states {tuple(hidden_states.shape)}, weight "
+            f"{tuple(weight.shape)} and norm weight {None if norm_weight is None else tuple(norm_weight.shape)}. "
+            "Compute more tokens' logits with F.linear(hidden_states.float(), weight.float()) (backend=\"torch\"), "
+            "and pass weights of the states' width."
         )
-    refuse_autograd("the Triton router-logits kernel", [hidden_states, weight], "the PyTorch reference")
+    inputs = [t for t in (hidden_states, weight, norm_weight) if t is not None]
+    refuse_autograd("the Triton router-logits kernel", inputs, "the PyTorch reference")
     hidden_states, weight = hidden_states.contiguous(), weight.contiguous()
-    return op_for_call(router_logits_op, _router_logits)(hidden_states, weight)
+    norm_weight = None if norm_weight is None else norm_weight.contiguous()
+    return op_for_call(router_logits_op, _router_logits)(hidden_states, weight, norm_weight, float(eps))
 
 
 @triton.jit
