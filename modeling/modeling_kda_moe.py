@@ -1651,6 +1651,9 @@ class KdaMoePreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KdaMoeDecoderLayer"]
+    # arguments accelerate's device hooks leave where they are: the caches, and the RMSNorm module a decoder layer
+    # hands its sublayers (moving a module moves its weights, which offloading keeps on the meta device)
+    _skip_keys_device_placement = ["past_key_values", "cache", "input_norm"]
     _supports_flash_attn = False  # MLA's query/key width differs from the value width
     _supports_sdpa = True
     _supports_flex_attn = False
