@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
+from ..norm import check_input_norm
 from ..norm.reference import rms_norm
 from .limits import MAX_PROJECTION_TOKENS, MAX_PROJECTIONS, fits_projection_kernel, split_groups
 
@@ -30,7 +31,8 @@ def decode_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
         raise ValueError(
             f"group_sizes must be positive and add up to the {len(weights)} weights, got {list(group_sizes)}."
         )
-    check_norm_and_residual(hidden_states, weights, input_norm, residual)
+    check_input_norm(hidden_states, input_norm)
+    _check_residual(hidden_states, weights, residual)
     extra = [t for t in (input_norm and input_norm[0], residual) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights, *extra))
     supported = fits_projection_kernel(hidden_states, weights) and not needs_grad
@@ -43,15 +45,9 @@ def decode_projections(hidden_states: torch.Tensor, weights: list[torch.Tensor],
     return outputs if residual is None else [residual + outputs[0]]
 
 
-def check_norm_and_residual(hidden_states: torch.Tensor, weights: list[torch.Tensor],
-                            input_norm: tuple[torch.Tensor, float] | None, residual: torch.Tensor | None) -> None:
-    """Raise, naming the fix, unless the norm's weight is ``[d]`` and the residual ``[N, n_0]`` of the hidden
-    states' dtype next to a single weight."""
-    if input_norm is not None and input_norm[0].shape != hidden_states.shape[-1:]:
-        raise ValueError(
-            f"input_norm's weight must be [d] = [{hidden_states.shape[-1]}] for hidden states "
-            f"{tuple(hidden_states.shape)}, got {tuple(input_norm[0].shape)}."
-        )
+def _check_residual(hidden_states: torch.Tensor, weights: list[torch.Tensor], residual: torch.Tensor | None):
+    """Raise, naming the fix, unless the residual is None or ``[N, n_0]`` of the hidden states' dtype next to a
+    single weight."""
     if residual is None:
         return
     expected = (*hidden_states.shape[:-1], weights[0].shape[0])

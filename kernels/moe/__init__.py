@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import TRITON_AVAILABLE, resolve_backend
+from ..norm import check_input_norm
 from ..norm.reference import rms_norm
 from .limits import KERNEL_DTYPES, MAX_DECODE_TOKENS, MAX_ROUTED_EXPERTS, fits_decode_kernel
 from .reference import (ACTIVATIONS, Mxfp4Weight, dequantize_mxfp4, expert_loads, gated_activation,
@@ -54,15 +55,7 @@ def _check_shared_expert(hidden_states, shared):
         )
 
 
-def _check_norm_and_residual(hidden_states, input_norm, residual):
-    """Raise, naming the fix, unless the norm's weight is ``[d]`` and the residual ``[N, d]`` in the hidden states'
-    dtype (hidden_states ``[N, d]``)."""
-    if input_norm is not None and input_norm[0].shape != hidden_states.shape[-1:]:
-        raise ValueError(
-            f"input_norm's weight must be [d] = [{hidden_states.shape[-1]}] for hidden states "
-            f"{tuple(hidden_states.shape)}, got {tuple(input_norm[0].shape)}: pass the weight of the RMSNorm over "
-            "their last dimension."
-        )
+def _check_residual(hidden_states, residual):
     if residual is not None and (residual.shape != hidden_states.shape or residual.dtype != hidden_states.dtype):
         raise ValueError(
             f"the residual must be the hidden states' shape and dtype, {tuple(hidden_states.shape)} in "
@@ -102,7 +95,8 @@ def moe_decode(
     norm, the experts, which gather the chosen experts' weights per token, and the add)."""
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     _check_shared_expert(hidden_states, shared)
-    _check_norm_and_residual(hidden_states, input_norm, residual)
+    check_input_norm(hidden_states, input_norm)
+    _check_residual(hidden_states, residual)
     extra = [t for t in (*(shared or ()), input_norm and input_norm[0], residual) if t is not None]
     differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, *extra)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
@@ -156,7 +150,7 @@ def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, *,
     their dtype). One Triton kernel, the norm inside, for at most ``MAX_DECODE_TOKENS`` tokens (a decoding step)
     without autograd; ``"auto"`` gives more tokens, or a call that needs gradients, the norm and ``F.linear`` on the
     widened tensors."""
-    _check_norm_and_residual(hidden_states, input_norm, None)
+    check_input_norm(hidden_states, input_norm)
     norm_weight = input_norm and input_norm[0]
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                  for t in (hidden_states, weight, norm_weight))

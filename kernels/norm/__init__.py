@@ -1,4 +1,5 @@
-"""Gated RMSNorm: public entry point."""
+"""RMSNorms: the gated one on the KDA output (public entry point), and the check of a layer's input norm that the
+decoding kernels apply to the rows they read."""
 
 import torch
 
@@ -24,4 +25,14 @@ def gated_rms_norm(
     return gated_rms_norm_reference(x, gate, weight, eps)
 
 
-__all__ = ["gated_rms_norm"]
+def check_input_norm(hidden_states: torch.Tensor, input_norm: tuple[torch.Tensor, float] | None) -> None:
+    """Raise, naming the fix, unless ``input_norm`` is None or (weight ``[d]``, eps) for hidden states ``[..., d]``."""
+    if input_norm is not None and input_norm[0].shape != hidden_states.shape[-1:]:
+        raise ValueError(
+            f"input_norm's weight must be [d] = [{hidden_states.shape[-1]}] for hidden states "
+            f"{tuple(hidden_states.shape)}, got {tuple(input_norm[0].shape)}: pass the weight of the RMSNorm over "
+            "their last dimension."
+        )
+
+
+__all__ = ["check_input_norm", "gated_rms_norm"]
