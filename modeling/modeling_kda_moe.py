@@ -1610,28 +1610,19 @@ class KdaMoeDecoderLayer(GradientCheckpointingLayer):
 
         # each sublayer applies its input norm and adds its output to the residual it is given: a decoding step's
         # kernels do both as they read and write the rows, with no kernel between two sublayers
-        residual = None if self.starts_block else partial
+        token_mixer_inputs = dict(
+            attention_mask=attention_mask,
+            cache=cache,
+            sequence_shard=sequence_shard,
+            input_norm=self.input_layernorm,
+            residual=None if self.starts_block else partial,
+        )
         if self.layer_type == "linear_attention":
-            partial = self.self_attn(
-                mixed,
-                attention_mask=attention_mask,
-                cache=cache,
-                cu_seqlens=cu_seqlens,
-                sequence_shard=sequence_shard,
-                input_norm=self.input_layernorm,
-                residual=residual,
-            )
+            partial = self.self_attn(mixed, cu_seqlens=cu_seqlens, **token_mixer_inputs)
             attn_weights = None
         else:
             partial, attn_weights = self.self_attn(
-                mixed,
-                attention_mask=attention_mask,
-                position_embeddings=position_embeddings,
-                cache=cache,
-                sequence_shard=sequence_shard,
-                input_norm=self.input_layernorm,
-                residual=residual,
-                **kwargs,
+                mixed, position_embeddings=position_embeddings, **token_mixer_inputs, **kwargs
             )
         self.attention_weights(attn_weights)
 
