@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from bf16_emulation import emulate_bf16  # noqa: E402
 from kda_testing import rel  # noqa: E402
 
+from kda_moe.kernels import arrival_counters as arrival_counters_module  # noqa: E402
 from kda_moe.kernels.arrival_counters import arrival_counters  # noqa: E402
 from kda_moe.kernels.kda import kda_layer_decode_step, kda_layer_decode_step_unfused  # noqa: E402
 from kda_moe.kernels.kda import fused_decode  # noqa: E402
@@ -253,7 +254,7 @@ def test_split_steps_decode_through_transformers_compiled_cuda_graph_trees():
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         expected = model.generate(input_ids, **settings)
-        fused_decode._HEAD_COUNTERS.clear()  # as in a new process: the cache must reserve them
+        arrival_counters_module._COUNTERS.clear()  # as in a new process: the cache must reserve them
         tokens = model.generate(input_ids, cache_implementation="static", **settings)
     assert torch.equal(tokens, expected)
 
