@@ -130,6 +130,7 @@ def test_other_decoding_keeps_transformers_loop(model, options, monkeypatch):
     else:
         monkeypatch.setattr(model.generation_config, "decode_steps_per_graph", steps)
     calls = count_graphed_calls(monkeypatch)
+    torch._dynamo.reset()  # on a GPU transformers compiles its step: start below the recompile limit earlier tests used
     graphed_generate(model, input_ids, attention_mask, eos_token_id=None, **options)
     assert calls == []
 
