@@ -213,17 +213,20 @@ def test_model_decodes_through_the_kernel_with_the_torch_backends_tokens(cache, 
 
 @pytest.mark.skipif(not INTERPRETED, reason="tests/test_gpu_model.py decodes on the GPU")
 @pytest.mark.parametrize("latent", [16, None])
-def test_few_token_forwards_normalise_and_add_the_residual_inside_the_kernels(latent, monkeypatch):
-    """A forward of a few tokens without autograd never calls the RMSNorms in front of the sublayers: the attention
-    and MLP projections, the router's logits and, without a latent projection, the MoE decode kernels apply them to
-    the rows they read (the LatentMoE's own projection takes the norm's output, so there the block calls it); the
-    logits equal the torch backend's within fp32 rounding."""
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3)])
+def test_one_token_forwards_normalise_inside_the_kernels(latent, shape, monkeypatch):
+    """A forward of one token without autograd never calls the RMSNorms in front of the sublayers: the attention and
+    MLP projections, the router's logits and, without a latent projection, the MoE decode kernels apply them to the
+    rows they read (the LatentMoE's own projection takes the norm's output, so there the block calls it). With more
+    tokens every norm runs once as a module and the projection kernels still run. The logits equal the torch
+    backend's within fp32 rounding."""
     called = []
     forward = KdaMoeRMSNorm.forward
     monkeypatch.setattr(KdaMoeRMSNorm, "forward", lambda self, x: called.append(self) or forward(self, x))
+    kernel_calls = count_kernel_calls(monkeypatch)
     models = [tiny_model(seed=0, kernel_backend=backend, routed_expert_hidden_size=latent, **TRITON_HEADS)
               for backend in ("triton", "torch")]
-    input_ids = torch.randint(1, models[0].config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(1, models[0].config.vocab_size, shape, generator=torch.Generator().manual_seed(0))
     logits = []
     for model in models:
         called.clear()
@@ -232,11 +235,12 @@ def test_few_token_forwards_normalise_and_add_the_residual_inside_the_kernels(la
         layers = model.model.layers
         sublayer_norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         calls = [sum(norm is c for c in called) for norm in sublayer_norms]
-        if model.config.kernel_backend == "torch":
+        if model.config.kernel_backend == "torch" or input_ids.numel() > 1:
             assert calls == [1] * len(sublayer_norms)
         else:  # each layer's input norm, then its MLP's: only a LatentMoE's is called
             folded_mlp = [latent is None or not isinstance(layer.mlp, KdaMoeSparseMoeBlock) for layer in layers]
             assert calls == [count for folded in folded_mlp for count in (0, 0 if folded else 1)]
+    assert {rows for rows, _ in kernel_calls} == {input_ids.numel()}  # the Triton model's projections, every one
     assert rel(logits[0], logits[1]) < 1e-5
 
 
