@@ -137,6 +137,16 @@ def kernel_folds_norm(module: nn.Module, rows: torch.Tensor) -> bool:
     return rows.numel() == rows.shape[-1] and is_plain_norm(module, rows)
 
 
+def norm_unless_folded(
+    input_norm: nn.Module | None, rows: torch.Tensor, kernels_run: bool = True
+) -> tuple[torch.Tensor, nn.Module | None]:
+    """`(rows, input_norm)` for a sublayer's kernels: `input_norm(rows)` and None where no kernel will fold the norm
+    (`kernels_run` False, or not `kernel_folds_norm`), else the rows and the norm as given."""
+    if input_norm is not None and not (kernels_run and kernel_folds_norm(input_norm, rows)):
+        return input_norm(rows), None
+    return rows, input_norm
+
+
 def linear_projections(
     hidden_states: torch.Tensor,
     *linears: nn.Module | tuple[nn.Module, ...],
@@ -154,8 +164,7 @@ def linear_projections(
     and autocast; anything else calls the norm, then the modules one by one, then adds."""
     groups = [item if isinstance(item, tuple) else (item,) for item in linears]
     modules = [linear for group in groups for linear in group]
-    if input_norm is not None and not kernel_folds_norm(input_norm, hidden_states):
-        hidden_states, input_norm = input_norm(hidden_states), None
+    hidden_states, input_norm = norm_unless_folded(input_norm, hidden_states)
     rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, d]
     weights = [linear.weight for linear in modules]
     norm_weight = None if input_norm is None else input_norm.weight
@@ -1168,8 +1177,7 @@ class KdaMoeRouter(nn.Module):
         # expert groups: training, prompts and grouped routing take the reference
         needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
         kernel_logits = hidden_states.shape[0] <= MAX_DECODE_TOKENS and not needs_grad
-        if input_norm is not None and not (kernel_logits and kernel_folds_norm(input_norm, hidden_states)):
-            hidden_states, input_norm = input_norm(hidden_states), None
+        hidden_states, input_norm = norm_unless_folded(input_norm, hidden_states, kernels_run=kernel_logits)
         logits = router_logits(
             hidden_states,
             self.weight,
@@ -1483,8 +1491,7 @@ class KdaMoeSparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         if self.decodes_in_one_call(tokens):
-            if input_norm is not None and not kernel_folds_norm(input_norm, tokens):
-                tokens, input_norm = input_norm(tokens), None
+            tokens, input_norm = norm_unless_folded(input_norm, tokens)
             experts, shared = self.experts, self.shared_experts
             norm = None if input_norm is None else (input_norm.weight, input_norm.variance_epsilon)
             _, topk_weights, topk_indices = self.gate(tokens, input_norm=input_norm)
